@@ -1,0 +1,6 @@
+"""Fused Triton kernels registered as ``torch.ops.fxfuse.*`` custom ops.
+
+Importing this package registers every op. Each op runs its Triton kernels on CUDA tensors and
+on CPU tensors when ``TRITON_INTERPRET=1`` (tests); otherwise CPU tensors take the PyTorch
+reference path at the bottom of each kernel file.
+"""
