@@ -1,0 +1,294 @@
+"""Rotary position embedding of q and k in one launch: ``torch.ops.fxfuse.rope``.
+
+Shapes: q [B, Hq, T, D] or [B, T, Hq, D] (any strides), k the same layout with Hk <= Hq heads,
+D even. cos, sin: rank 4, last dim r = rotary_dim (even, <= D), every other dim equal to q's or 1
+(broadcast; the head dim must be 1 when Hk < Hq). fp32 math, one rounding to the output dtype.
+
+Forward, per channel i < r, with partner p(i) and sign s(i):
+    out[i] = x[i] * cos[i] + s(i) * x[p(i)] * sin[i]          out[i] = x[i] for i >= r
+    non-interleaved (HF rotate_half): p(i) = i + r/2, s = -1 for i < r/2; p(i) = i - r/2, s = +1
+    interleaved (Meta complex pairs):  p(i) = i ^ 1,   s = -1 for even i, +1 for odd i
+Backward (the transpose of that per-row linear map):
+    dx[j] = dy[j] * cos[j] + s(p(j)) * dy[p(j)] * sin[p(j)]    dx[j] = dy[j] for j >= r
+Pairing channel a (i < r/2, or even i) with its partner b the two directions are
+    forward:  out_a = x_a c_a - x_b s_a     out_b = x_b c_b + x_a s_b
+    backward: dx_a = dy_a c_a + dy_b s_b    dx_b = dy_b c_b - dy_a s_a
+which is the whole kernel. No gradient flows to cos/sin: the op refuses backward when they require
+grad. Outputs are new contiguous tensors with q's / k's shape and dtype.
+
+Launch layout: one program per cos position (e.g. per (b, t) for cos [B, 1, T, r]) loads cos/sin
+once and rotates every q row and then every k row sharing it (e.g. all Hq + Hk heads), so cos/sin
+are read once and q, k once each: one pass over memory per direction. Any strides; rows are found
+by int32 index arithmetic on the broadcast dims only, then 64-bit offsets.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import use_triton
+
+
+@triton.jit
+def _to_out(x, o_ptr, RNE_BY_HAND: tl.constexpr):
+    """fp32 x cast to o's dtype, rounding to nearest even (by hand where the cast truncates)."""
+    if RNE_BY_HAND and o_ptr.dtype.element_ty == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000  # now exactly representable in bf16
+        x = b.to(tl.float32, bitcast=True)
+    return x.to(o_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _rope_rows(
+    x_ptr,  # input [S0, S1, S2, D], strides (sx0, sx1, sx2, sxd)
+    o_ptr,  # output [S0, S1, S2, D], strides (so0, so1, so2, 1)
+    ca, cb, sa, sb,  # fp32 [1, BLOCK_R // 2]: cos/sin at the a-channels and at their partners b
+    c0, c1, c2,  # int32 index of this program's position on the dims cos does not broadcast over
+    M, I1, I2,  # rows per position; sizes of the broadcast dims (1 on the others), I0 = M / (I1 I2)
+    sx0, sx1, sx2, sxd, so0, so1, so2,
+    D: tl.constexpr, R: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    RNE_BY_HAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Rotates the M rows of x that share position (c0, c1, c2) into o."""
+    HALF: tl.constexpr = BLOCK_R // 2
+    j = tl.arange(0, HALF)[None, :]  # [1, HALF] pair index
+    jr = tl.arange(0, BLOCK_R)[None, :]  # [1, BLOCK_R] channel index (interleaved load/store)
+    x_pos = x_ptr + c0.to(tl.int64) * sx0 + c1.to(tl.int64) * sx1 + c2.to(tl.int64) * sx2
+    o_pos = o_ptr + c0.to(tl.int64) * so0 + c1.to(tl.int64) * so1 + c2.to(tl.int64) * so2
+    for m0 in range(0, M, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1] int32
+        row_ok = rows < M
+        i0 = (rows // (I1 * I2)).to(tl.int64)
+        i1 = ((rows // I2) % I1).to(tl.int64)
+        i2 = (rows % I2).to(tl.int64)
+        x_row = x_pos + i0 * sx0 + i1 * sx1 + i2 * sx2
+        o_row = o_pos + i0 * so0 + i1 * so1 + i2 * so2
+        if INTERLEAVED:
+            m = row_ok & (jr < R)
+            x = tl.load(x_row + jr * sxd, mask=m, other=0.0).to(tl.float32)
+            xa, xb = tl.split(tl.reshape(x, [BLOCK_M, HALF, 2]))
+        else:
+            m = row_ok & (j < R // 2)
+            xa = tl.load(x_row + j * sxd, mask=m, other=0.0).to(tl.float32)
+            xb = tl.load(x_row + (j + R // 2) * sxd, mask=m, other=0.0).to(tl.float32)
+        if BACKWARD:
+            oa = xa * ca + xb * sb
+            ob = xb * cb - xa * sa
+        else:
+            oa = xa * ca - xb * sa
+            ob = xb * cb + xa * sb
+        if INTERLEAVED:
+            o = tl.reshape(tl.join(oa, ob), [BLOCK_M, BLOCK_R])
+            tl.store(o_row + jr, _to_out(o, o_ptr, RNE_BY_HAND), mask=m)
+        else:
+            tl.store(o_row + j, _to_out(oa, o_ptr, RNE_BY_HAND), mask=m)
+            tl.store(o_row + j + R // 2, _to_out(ob, o_ptr, RNE_BY_HAND), mask=m)
+        if BLOCK_P > 0:
+            jp = tl.arange(0, BLOCK_P)[None, :]  # [1, BLOCK_P] pass-through channel index past R
+            mp = row_ok & (jp < D - R)
+            xp = tl.load(x_row + (R + jp) * sxd, mask=mp, other=0.0)
+            tl.store(o_row + R + jp, xp.to(o_ptr.dtype.element_ty), mask=mp)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, qo_ptr,  # q and its output [Sq0, Sq1, Sq2, D]; strides (sq*, sqd), (sqo*, 1)
+    k_ptr, ko_ptr,  # k and its output [Sk0, Sk1, Sk2, D]; strides (sk*, skd), (sko*, 1)
+    cos_ptr, sin_ptr,  # [C0, C1, C2, R], C = 1 on the dims q/k broadcast over; strides (cs*), (ss*)
+    Mq, Iq1, Iq2, sq0, sq1, sq2, sqd, sqo0, sqo1, sqo2,
+    Mk, Ik1, Ik2, sk0, sk1, sk2, skd, sko0, sko1, sko2,
+    C1, C2, cs0, cs1, cs2, csd, ss0, ss1, ss2, ssd,
+    D: tl.constexpr, R: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    RNE_BY_HAND: tl.constexpr, BLOCK_MQ: tl.constexpr, BLOCK_MK: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Program = one cos position: its Mq rows of q, then its Mk rows of k (0 rows = absent)."""
+    p = tl.program_id(0)  # flat index over (C0, C1, C2)
+    c2 = p % C2
+    c1 = (p // C2) % C1
+    c0 = p // (C2 * C1)
+    j = tl.arange(0, BLOCK_R // 2)[None, :]
+    if INTERLEAVED:
+        ja = 2 * j
+        jb = 2 * j + 1
+    else:
+        ja = j
+        jb = j + R // 2
+    mr = j < R // 2
+    c_pos = cos_ptr + c0.to(tl.int64) * cs0 + c1.to(tl.int64) * cs1 + c2.to(tl.int64) * cs2
+    s_pos = sin_ptr + c0.to(tl.int64) * ss0 + c1.to(tl.int64) * ss1 + c2.to(tl.int64) * ss2
+    ca = tl.load(c_pos + ja * csd, mask=mr, other=0.0).to(tl.float32)
+    cb = tl.load(c_pos + jb * csd, mask=mr, other=0.0).to(tl.float32)
+    sa = tl.load(s_pos + ja * ssd, mask=mr, other=0.0).to(tl.float32)
+    sb = tl.load(s_pos + jb * ssd, mask=mr, other=0.0).to(tl.float32)
+    _rope_rows(q_ptr, qo_ptr, ca, cb, sa, sb, c0, c1, c2, Mq, Iq1, Iq2, sq0, sq1, sq2, sqd,
+               sqo0, sqo1, sqo2, D, R, INTERLEAVED, BACKWARD, RNE_BY_HAND, BLOCK_MQ, BLOCK_R, BLOCK_P)
+    _rope_rows(k_ptr, ko_ptr, ca, cb, sa, sb, c0, c1, c2, Mk, Ik1, Ik2, sk0, sk1, sk2, skd,
+               sko0, sko1, sko2, D, R, INTERLEAVED, BACKWARD, RNE_BY_HAND, BLOCK_MK, BLOCK_R, BLOCK_P)
+
+
+def _rows_per_tile(m: int, block_d: int) -> int:
+    """Rows per loop step: all rows of a position up to ~4096 elements, enough loads in flight."""
+    return max(1, min(triton.next_power_of_2(max(m, 1)), 4096 // block_d))
+
+
+def _num_warps(block_d: int) -> int:
+    """4 warps cover a 4096-element tile at 8 bf16 (16 bytes) per thread and access."""
+    return 4 if block_d <= 512 else 8
+
+
+def _rne_by_hand(device: torch.device) -> bool:
+    """The interpreter (CPU) truncates fp32 -> bf16 casts; GPUs round to nearest even natively."""
+    return device.type != "cuda"
+
+
+def _check(x: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int):
+    """Validates the documented layout contract (real tensors only: Python ints from shapes)."""
+    if x.dim() != 4 or k.dim() != 4 or cos.dim() != 4 or cos.shape != sin.shape:
+        raise ValueError("fxfuse.rope: q, k, cos, sin must be 4-D and cos, sin of one shape")
+    d = x.shape[-1]
+    if d % 2 or k.shape[-1] != d or rotary_dim % 2 or not 0 < rotary_dim <= d:
+        raise ValueError(f"fxfuse.rope: need even D == k's D and even 0 < rotary_dim <= D, got "
+                         f"D={d}, k D={k.shape[-1]}, rotary_dim={rotary_dim}")
+    if cos.shape[-1] != rotary_dim:
+        raise ValueError(f"fxfuse.rope: cos last dim {cos.shape[-1]} != rotary_dim {rotary_dim}")
+    for dim in range(3):
+        c = cos.shape[dim]
+        if c != 1 and (c != x.shape[dim] or c != k.shape[dim]):
+            raise ValueError(f"fxfuse.rope: cos {tuple(cos.shape)} does not broadcast against "
+                             f"q {tuple(x.shape)} and k {tuple(k.shape)} without expanding them")
+
+
+def _launch(q, k, cos, sin, interleaved: bool, rotary_dim: int, backward: bool):
+    """Runs the kernel on q and/or k (None = absent); returns new contiguous outputs (or None)."""
+    present = [t for t in (q, k) if t is not None]
+    outs = [None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            for t in (q, k)]
+    n_pos = math.prod(cos.shape[:3])  # one program per cos position
+    if n_pos == 0 or all(t.numel() == 0 for t in present):
+        return outs
+    d = present[0].shape[-1]
+    block_d = triton.next_power_of_2(d)
+    args, blocks = [], []
+    for x, o in zip((q, k), outs):
+        if x is None:  # absent: zero rows; any tensor stands in for the pointers
+            args.append([present[0], present[0], 0, 1, 1, 0, 0, 0, 0, 0, 0, 0])
+            blocks.append(1)
+            continue
+        inner = [x.shape[i] if cos.shape[i] == 1 else 1 for i in range(3)]  # broadcast dims
+        m = math.prod(inner)
+        args.append([x, o, m, inner[1], inner[2], *x.stride(), *o.stride()[:3]])
+        blocks.append(_rows_per_tile(m, block_d))
+    device = present[0].device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _rope_kernel[(n_pos,)](
+            args[0][0], args[0][1], args[1][0], args[1][1], cos, sin, *args[0][2:], *args[1][2:],
+            cos.shape[1], cos.shape[2], *cos.stride()[:3], cos.stride(3), *sin.stride(),
+            D=d, R=rotary_dim, INTERLEAVED=interleaved, BACKWARD=backward,
+            RNE_BY_HAND=_rne_by_hand(device), BLOCK_MQ=blocks[0], BLOCK_MK=blocks[1],
+            BLOCK_R=triton.next_power_of_2(rotary_dim),
+            BLOCK_P=triton.next_power_of_2(d - rotary_dim) if d > rotary_dim else 0,
+            num_warps=_num_warps(block_d),
+        )
+    return outs
+
+
+@torch.library.custom_op("fxfuse::rope", mutates_args=())
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         interleaved: bool, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q', k'): q and k rotated by cos/sin on their first rotary_dim channels (module doc)."""
+    _check(q, k, cos, sin, rotary_dim)
+    if use_triton(q):
+        qo, ko = _launch(q, k, cos, sin, interleaved, rotary_dim, backward=False)
+        return qo, ko
+    qo, ko = rope_reference(q, k, cos, sin, interleaved, rotary_dim)
+    return qo.contiguous(), ko.contiguous()
+
+
+@rope.register_fake
+def _(q, k, cos, sin, interleaved, rotary_dim):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@torch.library.custom_op("fxfuse::rope_bwd", mutates_args=())
+def rope_bwd(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], cos: torch.Tensor,
+             sin: torch.Tensor, interleaved: bool, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq, dk) from the output grads; an absent (None) grad gives an empty [0] tensor."""
+    ref = dq if dq is not None else dk
+    if ref is None:
+        raise ValueError("fxfuse.rope_bwd: dq and dk are both None")
+    _check(ref, dk if dk is not None else ref, cos, sin, rotary_dim)
+    if use_triton(ref):
+        outs = _launch(dq, dk, cos, sin, interleaved, rotary_dim, backward=True)
+    else:
+        outs = [None if g is None else _rotate_reference(g, cos, sin, interleaved, rotary_dim, True)
+                for g in (dq, dk)]
+    return tuple(cos.new_empty(0) if o is None else o.contiguous() for o in outs)
+
+
+@rope_bwd.register_fake
+def _(dq, dk, cos, sin, interleaved, rotary_dim):
+    return tuple(cos.new_empty(0) if g is None else g.new_empty(g.shape) for g in (dq, dk))
+
+
+def _backward(ctx, dq_out, dk_out):
+    if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+        raise RuntimeError("fxfuse.rope gives no gradient for cos/sin; do not use it when they "
+                           "require grad")
+    dq_out = dq_out if ctx.needs_input_grad[0] else None
+    dk_out = dk_out if ctx.needs_input_grad[1] else None
+    if dq_out is None and dk_out is None:
+        return None, None, None, None, None, None
+    cos, sin = ctx.saved_tensors
+    dq, dk = torch.ops.fxfuse.rope_bwd(dq_out, dk_out, cos, sin, ctx.interleaved, ctx.rotary_dim)
+    return (dq if dq_out is not None else None, dk if dk_out is not None else None,
+            None, None, None, None)
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, cos, sin, interleaved, rotary_dim = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.interleaved = interleaved
+    ctx.rotary_dim = rotary_dim
+
+
+rope.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _partner(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x[..., p(i)] along the last dim (length r)."""
+    if interleaved:
+        return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x.roll(x.shape[-1] // 2, dims=-1)
+
+
+def _sign(r: int, interleaved: bool, device) -> torch.Tensor:
+    """s(i) as an fp32 [r] vector."""
+    if interleaved:
+        return torch.tensor([-1.0, 1.0], device=device).repeat(r // 2)
+    return torch.tensor([-1.0, 1.0], device=device).repeat_interleave(r // 2)
+
+
+def _rotate_reference(x, cos, sin, interleaved: bool, rotary_dim: int, backward: bool):
+    """Forward (or, backward=True, the transpose) rotation of x in fp32, rounded to x's dtype."""
+    wide = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for an fp64 reference
+    xf = x.to(wide)
+    xr, c, s = xf[..., :rotary_dim], cos.to(wide), sin.to(wide)
+    sign = _sign(rotary_dim, interleaved, x.device)
+    if backward:
+        rot = xr * c + _partner(sign * xr * s, interleaved)
+    else:
+        rot = xr * c + sign * _partner(xr, interleaved) * s
+    return torch.cat((rot, xf[..., rotary_dim:]), dim=-1).to(x.dtype)
+
+
+def rope_reference(q, k, cos, sin, interleaved: bool, rotary_dim: int):
+    """PyTorch reference of fxfuse.rope (differentiable through plain autograd)."""
+    return (_rotate_reference(q, cos, sin, interleaved, rotary_dim, False),
+            _rotate_reference(k, cos, sin, interleaved, rotary_dim, False))
