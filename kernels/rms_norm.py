@@ -1,0 +1,335 @@
+"""RMSNorm as one fused op: ``torch.ops.fxfuse.rms_norm`` (+ ``fxfuse::rms_norm_backward``).
+
+Shapes: x [..., D] viewed as [M, D] (M = product of the leading dims); weight [D] or None.
+
+Forward, per row (all math in fp32 registers, one pass over x):
+    xf   = float32(x)                                   [M, D]
+    rstd = 1 / sqrt(sum(xf * xf) / D + eps)             [M]
+    xhat = xf * rstd                                    [M, D]
+    w'   = float32(weight) + offset  (1 if weight None) [D]
+    cast_before_weight=True  (HF Llama/Mistral/Qwen2/Phi-3, ``w * (xf * rstd).to(x.dtype)``):
+        out = to_out_dtype(float32(to_x_dtype(xhat)) * w')
+    cast_before_weight=False (Gemma ``(xf * rstd * (1 + w.float())).type_as(x)``, GPT-OSS):
+        out = to_out_dtype(xhat * w')
+
+Backward (rstd is recomputed from x: the backward kernel reads the whole row of x anyway, so
+this costs a reduction in registers and saves an [M] buffer and an extra op output; the
+to_x_dtype rounding of the cast_before_weight path is treated as identity, as autograd does):
+    g   = float32(dy) * w'                                         [M, D]
+    dx  = rstd * (g - xhat * sum(g * xhat) / D)                     [M, D], x.dtype
+    dw  = sum over rows of float32(dy) * xhat                       [D], weight.dtype
+dw is reduced without atomics: each program of the persistent backward grid keeps an fp32 [D]
+partial sum in registers over its rows and writes it to partial[pid, :]; a second small kernel
+sums the [P, D] partials over P and rounds to weight.dtype.
+
+Layout: rows must have a contiguous last dim (stride(-1) == 1); other inputs are copied once by
+the host wrapper. D up to ``_MAX_BLOCK_N`` (one row per register tile); wider rows take the
+PyTorch reference path.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import use_triton
+
+_MAX_BLOCK_N = 65536
+# dw reduction of the [P, D] partials: a [32, 128] fp32 tile per step, D / 128 programs.
+_DW_BLOCK_P = 32
+_DW_BLOCK_D = 128
+
+
+@triton.jit
+def _round_fp32(v, DTYPE: tl.constexpr):
+    """fp32 v rounded (to nearest, ties to even) to DTYPE's precision, returned as fp32.
+
+    bf16 is rounded with integer ops: Triton's interpreter truncates on fp32 -> bf16 casts, and
+    on GPU this is the same rounding as cvt.rn, so tests on CPU see the GPU's numerics. The
+    final .to(bf16) of the result is then exact everywhere. (NaN payloads are not preserved.)
+    """
+    if DTYPE == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr,  # [M, D] x.dtype, row stride stride_x, col stride 1
+    w_ptr,  # [D] weight.dtype, contiguous (dummy pointer when HAS_WEIGHT is False)
+    y_ptr,  # [M, D] out_dtype, contiguous (row stride D)
+    M,
+    D,
+    stride_x,
+    eps,
+    offset,
+    HAS_WEIGHT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < D
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
+    xhat = xf * rstd[:, None]
+    if CAST_BEFORE_WEIGHT:
+        xhat = _round_fp32(xhat, x_ptr.dtype.element_ty)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+        xhat = xhat * w[None, :]
+    y = _round_fp32(xhat, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows64[:, None] * D + cols[None, :], y, mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    dy_ptr,  # [M, D] out_dtype, contiguous (row stride D)
+    x_ptr,  # [M, D] x.dtype, row stride stride_x, col stride 1
+    w_ptr,  # [D] weight.dtype, contiguous (dummy pointer when HAS_WEIGHT is False)
+    dx_ptr,  # [M, D] x.dtype, contiguous (row stride D)
+    dw_partial_ptr,  # [P, D] fp32, contiguous; P = number of programs (only read if COMPUTE_DW)
+    M,
+    D,
+    stride_x,
+    eps,
+    offset,
+    HAS_WEIGHT: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < D
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    for row_block in tl.range(pid, tl.cdiv(M, BLOCK_M), num_progs, num_stages=NUM_STAGES):
+        rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows64 = rows.to(tl.int64)
+        mask = (rows < M)[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        dy = tl.load(dy_ptr + rows64[:, None] * D + cols[None, :], mask=mask, other=0.0)
+        xf = x.to(tl.float32)
+        dyf = dy.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
+        xhat = xf * rstd[:, None]
+        if HAS_WEIGHT:
+            g = dyf * w[None, :]
+        else:
+            g = dyf
+        c = tl.sum(g * xhat, axis=1) / D
+        dx = rstd[:, None] * (g - xhat * c[:, None])
+        dx = _round_fp32(dx, dx_ptr.dtype.element_ty).to(dx_ptr.dtype.element_ty)
+        tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx, mask=mask)
+        if COMPUTE_DW:
+            dw_acc += dyf * xhat
+
+    if COMPUTE_DW:
+        tl.store(dw_partial_ptr + pid.to(tl.int64) * D + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _dw_reduce_kernel(
+    partial_ptr,  # [P, D] fp32, contiguous
+    dw_ptr,  # [D] weight.dtype, contiguous
+    P,
+    D,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        ps = p0 + tl.arange(0, BLOCK_P)
+        mask = (ps < P)[:, None] & col_mask[None, :]
+        acc += tl.sum(tl.load(partial_ptr + ps[:, None] * D + cols[None, :], mask=mask, other=0.0), axis=0)
+    dw = _round_fp32(acc, dw_ptr.dtype.element_ty).to(dw_ptr.dtype.element_ty)
+    tl.store(dw_ptr + cols, dw, mask=col_mask)
+
+
+def _block_n(d: int) -> int:
+    """Whole row in one register tile: a power of two >= D, at least one 16-byte vector."""
+    return max(triton.next_power_of_2(d), 16)
+
+
+def _block_m(block_n: int, m: int) -> int:
+    """Several rows per tile for narrow rows (per-head q/k norms), so a tile is ~4K elements."""
+    return max(1, min(4096 // block_n, triton.next_power_of_2(m)))
+
+
+def _num_warps(tile_elems: int) -> int:
+    """Forward: ~64 elements per thread (H200 sweep: 4 warps best up to 8K elements, 8 at 16K)."""
+    return max(4, min(16, tile_elems // (32 * 64)))
+
+
+def _bwd_num_warps(tile_elems: int) -> int:
+    """Backward holds x, dy, w and the dw sum per element: ~32 elements per thread (H200 sweep)."""
+    return max(4, min(16, tile_elems // (32 * 32)))
+
+
+def _bwd_num_stages() -> int:
+    """Prefetch the next row blocks' x and dy while this one is reduced (H200: 3 stages beat 1 by ~2x)."""
+    return 3
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter runs programs one after another: a few suffice to test the loop
+
+
+def _bwd_programs_per_sm(tile_elems: int) -> int:
+    """Persistent backward: about as many programs as fit resident (H200: 2 at 4K-element tiles, 1 above)."""
+    return max(1, min(8, 8192 // tile_elems))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as an [M, D] view with contiguous last dim (copied only when no such view exists)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _fits_triton(x: torch.Tensor) -> bool:
+    return use_triton(x) and x.dim() > 0 and 0 < x.shape[-1] <= _MAX_BLOCK_N and x.numel() > 0
+
+
+@torch.library.custom_op("fxfuse::rms_norm", mutates_args=())
+def rms_norm(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float,
+    offset: float,
+    cast_before_weight: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    if not _fits_triton(x):
+        return rms_norm_reference(x, weight, eps, offset, cast_before_weight, out_dtype)
+    x2 = _rows(x)
+    m, d = x2.shape
+    y = torch.empty((m, d), dtype=out_dtype, device=x.device)
+    w = weight.contiguous() if weight is not None else x2
+    block_n = _block_n(d)
+    block_m = _block_m(block_n, m)
+    _rms_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+        x2, w, y, m, d, x2.stride(0), eps, offset,
+        HAS_WEIGHT=weight is not None, CAST_BEFORE_WEIGHT=cast_before_weight,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_num_warps(block_m * block_n),
+    )
+    return y.view(x.shape)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps, offset, cast_before_weight, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op("fxfuse::rms_norm_backward", mutates_args=())
+def rms_norm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float,
+    offset: float,
+    compute_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [x.shape] x.dtype, dw [D] weight.dtype); dw is an empty [0] tensor unless compute_dw."""
+    compute_dw = compute_dw and weight is not None
+    if not _fits_triton(x):
+        dx, dw = _rms_norm_backward_reference(dy, x, weight, eps, offset, compute_dw)
+        return dx, dw if compute_dw else x.new_empty((0,))
+    x2 = _rows(x)
+    dy2 = dy.reshape(x2.shape).contiguous()
+    m, d = x2.shape
+    dx = torch.empty((m, d), dtype=x.dtype, device=x.device)
+    block_n = _block_n(d)
+    block_m = _block_m(block_n, m)
+    tile = block_m * block_n
+    grid = max(1, min(triton.cdiv(m, block_m), _num_sms(x.device) * _bwd_programs_per_sm(tile)))
+    partial = torch.empty((grid, d) if compute_dw else (1,), dtype=torch.float32, device=x.device)
+    w = weight.contiguous() if weight is not None else x2
+    _rms_norm_bwd_kernel[(grid,)](
+        dy2, x2, w, dx, partial, m, d, x2.stride(0), eps, offset,
+        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, BLOCK_M=block_m, BLOCK_N=block_n,
+        NUM_STAGES=_bwd_num_stages(), num_warps=_bwd_num_warps(tile),
+    )
+    if not compute_dw:
+        return dx.view(x.shape), x.new_empty((0,))
+    dw = torch.empty((d,), dtype=weight.dtype, device=x.device)
+    _dw_reduce_kernel[(triton.cdiv(d, _DW_BLOCK_D),)](partial, dw, grid, d, BLOCK_P=_DW_BLOCK_P, BLOCK_D=_DW_BLOCK_D)
+    return dx.view(x.shape), dw
+
+
+@rms_norm_backward.register_fake
+def _(dy, x, weight, eps, offset, compute_dw):
+    dx = x.new_empty(x.shape)
+    if compute_dw and weight is not None:
+        return dx, weight.new_empty(weight.shape)
+    return dx, x.new_empty((0,))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, eps, offset, _cast_before_weight, _out_dtype = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+    ctx.offset = offset
+
+
+def _backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (need_dx or need_dw):
+        return None, None, None, None, None, None
+    dx, dw = torch.ops.fxfuse.rms_norm_backward(grad, x, weight, ctx.eps, ctx.offset, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
+
+
+rms_norm.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float,
+    offset: float,
+    cast_before_weight: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Eager PyTorch with the op's exact rounding points (also the CPU path without Triton)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if cast_before_weight:
+        y = y.to(x.dtype).float()
+    if weight is not None:
+        y = y * (weight.float() + offset)
+    return y.to(out_dtype)
+
+
+def _rms_norm_backward_reference(dy, x, weight, eps, offset, compute_dw):
+    """Closed-form fp32 backward matching the kernel (rounding of the cast path as identity)."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = xf * rstd
+    dyf = dy.float()
+    g = dyf * (weight.float() + offset) if weight is not None else dyf
+    dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if compute_dw else None
+    return dx.to(x.dtype), dw

@@ -1,0 +1,191 @@
+"""CPU tests of fxfuse::rms_norm: the Triton kernels run under the interpreter (set below, before
+torch/triton are imported) and are checked against the PyTorch reference and eager HF-style
+modules (Llama: cast before weight; Gemma: (1 + w) in fp32, cast at the end)."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from fxfuse.kernels._dispatch import use_triton  # noqa: E402
+from fxfuse.kernels.rms_norm import rms_norm, rms_norm_reference  # noqa: E402
+
+EPS = 1e-6
+# (leading shape, D): 1 row, 199 rows, non-powers of two, per-head [B, T, H, D], several row blocks
+# per backward program (600 x 40 -> 10 blocks of 64 rows; 199 x 1000 -> 50 blocks of 4 rows).
+SHAPES = [((1,), 64), ((199,), 40), ((3, 5), 96), ((2, 3, 4), 24), ((600,), 40), ((199,), 1000)]
+LOW = [torch.bfloat16, torch.float16]
+
+
+def _inputs(lead, d, dtype, w_center=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(*lead, d, generator=g)).to(dtype)
+    w = (w_center + 0.3 * torch.randn(d, generator=g)).to(dtype)
+    dy = torch.randn(*lead, d, generator=g).to(dtype)
+    return x, w, dy
+
+
+def _grads(fn, x, w, dy):
+    x = x.detach().clone().requires_grad_()
+    w = None if w is None else w.detach().clone().requires_grad_()
+    y = fn(x, w)
+    y.backward(dy)
+    return y.detach(), x.grad, None if w is None else w.grad
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def llama_eager(x, w):
+    """transformers' LlamaRMSNorm.forward (also Mistral, Qwen2, Phi-3)."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    return w * xf.to(x.dtype)
+
+
+def gemma_eager(x, w):
+    """transformers' GemmaRMSNorm.forward (weight stored zero-centred)."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    return (out * (1.0 + w.float())).type_as(x)
+
+
+def llama_op(x, w):
+    return rms_norm(x, w, EPS, 0.0, True, torch.promote_types(x.dtype, w.dtype))
+
+
+def gemma_op(x, w):
+    return rms_norm(x, w, EPS, 1.0, False, x.dtype)
+
+
+def _fp64_grads(fn, x, w, dy):
+    """The eager module evaluated in fp64 with fp64 leaves (the accuracy reference)."""
+    return _grads(fn, x.double(), w.double(), dy.double())
+
+
+def test_triton_path_is_taken_on_cpu():
+    assert use_triton(torch.empty(1))
+
+
+@pytest.mark.parametrize("lead,d", SHAPES)
+@pytest.mark.parametrize("cast_before_weight", [True, False])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_fp32_matches_reference(lead, d, cast_before_weight, offset):
+    x, w, dy = _inputs(lead, d, torch.float32)
+    args = (EPS, offset, cast_before_weight, torch.float32)
+    got = _grads(lambda x, w: rms_norm(x, w, *args), x, w, dy)
+    ref = _grads(lambda x, w: rms_norm_reference(x, w, *args), x, w, dy)
+    for a, b in zip(got, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert _rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("lead,d", SHAPES[:4])
+@pytest.mark.parametrize("cast_before_weight", [True, False])
+def test_fp32_no_weight(lead, d, cast_before_weight):
+    x, _, dy = _inputs(lead, d, torch.float32)
+    args = (EPS, 0.0, cast_before_weight, torch.float32)
+    got = _grads(lambda x, w: rms_norm(x, None, *args), x, None, dy)
+    ref = _grads(lambda x, w: rms_norm_reference(x, None, *args), x, None, dy)
+    assert got[2] is None
+    for a, b in zip(got[:2], ref[:2]):
+        assert _rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("lead,d", SHAPES)
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("style", ["llama", "gemma"])
+def test_low_precision_vs_eager_modules(lead, d, dtype, style):
+    eager, op, w_center = (llama_eager, llama_op, 1.0) if style == "llama" else (gemma_eager, gemma_op, 0.0)
+    x, w, dy = _inputs(lead, d, dtype, w_center)
+    ref = _fp64_grads(eager, x, w, dy)
+    got = _grads(op, x, w, dy)
+    base = _grads(eager, x, w, dy)
+    for name, a, b, r in zip(("y", "dx", "dw"), got, base, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert _rel(a, r) <= 2 * _rel(b, r), name
+    # The forward reproduces eager's rounding points: at most one ulp apart, element by element.
+    ulp_rel = torch.finfo(dtype).eps
+    assert ((got[0].float() - base[0].float()).abs() <= ulp_rel * base[0].float().abs() + 1e-6).all()
+
+
+def test_low_precision_x_fp32_weight():
+    """Llama with an fp32 weight and bf16 activations: w * y.to(bf16) promotes to an fp32 output."""
+    x, w, dy = _inputs((199,), 96, torch.bfloat16)
+    w = w.float()
+    got = _grads(llama_op, x, w, dy.float())
+    base = _grads(llama_eager, x, w, dy.float())
+    ref = _fp64_grads(llama_eager, x, w, dy)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.bfloat16 and got[2].dtype == torch.float32
+    for a, b, r in zip(got, base, ref):
+        assert _rel(a, r) <= 2 * _rel(b, r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_weight_and_frozen_input(dtype):
+    x, w, dy = _inputs((199,), 40, dtype)
+    full = _grads(llama_op, x, w, dy)
+
+    xg = x.clone().requires_grad_()
+    llama_op(xg, w).backward(dy)
+    assert xg.grad is not None and torch.equal(xg.grad, full[1])
+
+    wg = w.clone().requires_grad_()
+    llama_op(x, wg).backward(dy)
+    assert wg.grad is not None and torch.equal(wg.grad, full[2])
+
+
+def test_non_contiguous_inputs():
+    """Per-head q norm on a [B, H, T, D] transpose of [B, T, H, D], and a stride(-1) != 1 view."""
+    x, w, dy = _inputs((2, 5, 3), 24, torch.float32)
+    xt = x.transpose(1, 2)
+    got = _grads(llama_op, xt, w, dy.transpose(1, 2))
+    ref = _grads(lambda x, w: rms_norm_reference(x, w, EPS, 0.0, True, x.dtype), xt, w, dy.transpose(1, 2))
+    assert got[0].shape == xt.shape
+    for a, b in zip(got, ref):
+        assert _rel(a, b) < 1e-5
+
+    xs = torch.randn(24, 7).t()
+    assert xs.stride(-1) != 1
+    got = rms_norm(xs, w, EPS, 0.0, False, xs.dtype)
+    assert _rel(got, rms_norm_reference(xs, w, EPS, 0.0, False, xs.dtype)) < 1e-5
+
+
+def test_out_dtype_and_fake_shapes():
+    x, w, _ = _inputs((3, 5), 40, torch.bfloat16)
+    y = rms_norm(x, w, EPS, 0.0, False, torch.float32)
+    assert y.dtype == torch.float32 and y.shape == x.shape and y.is_contiguous()
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        fx = torch.empty(3, 5, 40, dtype=torch.bfloat16)
+        fy = torch.ops.fxfuse.rms_norm(fx, torch.empty(40, dtype=torch.bfloat16), EPS, 0.0, True, torch.float16)
+        assert fy.shape == fx.shape and fy.dtype == torch.float16
+
+
+@pytest.mark.parametrize("with_weight", [True, False])
+@pytest.mark.parametrize("cast_before_weight", [True, False])
+def test_opcheck(with_weight, cast_before_weight):
+    x, w, _ = _inputs((3, 4), 40, torch.float32)
+    x.requires_grad_()
+    w = w.requires_grad_() if with_weight else None
+    torch.library.opcheck(torch.ops.fxfuse.rms_norm.default, (x, w, EPS, 1.0, cast_before_weight, torch.float32))
+
+
+def test_opcheck_backward_op():
+    x, w, dy = _inputs((3, 4), 40, torch.float32)
+    for compute_dw in (True, False):
+        torch.library.opcheck(torch.ops.fxfuse.rms_norm_backward.default, (dy, x, w, EPS, 0.0, compute_dw))
+    torch.library.opcheck(torch.ops.fxfuse.rms_norm_backward.default, (dy, x, None, EPS, 0.0, False))
+
+
+def test_compile_dynamic_two_sizes():
+    """The compile axis: aot_eager with dynamic shapes, two sizes, fwd + grads vs the reference."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w: llama_op(x, w) * 2, backend="aot_eager", dynamic=True)
+    for lead, d in [((7,), 40), ((3, 11), 40)]:
+        x, w, dy = _inputs(lead, d, torch.float32, seed=d + len(lead))
+        got = _grads(fn, x, w, dy)
+        ref = _grads(lambda x, w: rms_norm_reference(x, w, EPS, 0.0, True, x.dtype) * 2, x, w, dy)
+        for a, b in zip(got, ref):
+            assert a.shape == b.shape and _rel(a, b) < 1e-5
