@@ -1,0 +1,153 @@
+"""Benchmark of fxfuse.linear_cross_entropy (lm_head + cross-entropy), fwd+bwd, against eager,
+Inductor and Liger.
+
+    python bench/bench_linear_cross_entropy.py [--shapes 8192x4096x128256] [--dtype bfloat16]
+        [--label-smoothing 0.1] [--softcap 30] [--bias] [--frozen-weight]
+
+Each case (NxHxV) times ``loss = f(x, W, b, target)`` and ``torch.autograd.grad`` of x, W (and b),
+and reports ms, TFLOP/s from ``lce_flops`` (the three matmuls any implementation needs; fxfuse
+runs a fourth, the logits recompute), GB/s from ``lce_bytes`` against the copy ceiling, the peak
+memory above the inputs (the floor is dW + dx, printed per case) and the max relative error of
+loss and grads against an fp32 eager reference on the same inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import PROVIDERS, Row, bench_ms, copy_ceiling_gbps, have_liger, peak_extra_mib, print_table  # noqa: E402
+
+DEFAULT_SHAPES = ("8192x4096x128256", "16384x2048x32000")
+IGNORE_INDEX = -100
+
+
+def lce_bytes(n: int, h: int, v: int, element_size: int, bias: bool = False, frozen_weight: bool = False) -> int:
+    """Minimum bytes of fwd+bwd: read x, W, (b) and the int64 target once; write dx, (dW), (db) once."""
+    reads = (n * h + v * h + (v if bias else 0)) * element_size + 8 * n
+    writes = (n * h + (0 if frozen_weight else v * h) + (v if bias else 0)) * element_size
+    return reads + writes
+
+
+def lce_flops(n: int, h: int, v: int, frozen_weight: bool = False) -> int:
+    """FLOPs of the matmuls any implementation needs: logits x @ W.T, dx = dz @ W, dW = dz.T @ x."""
+    return 2 * n * h * v * (2 if frozen_weight else 3)
+
+
+def floor_mib(n: int, h: int, v: int, element_size: int, frozen_weight: bool = False) -> float:
+    """The unavoidable extra memory of fwd+bwd: the gradients dx and dW themselves."""
+    return (n * h + (0 if frozen_weight else v * h)) * element_size / 2**20
+
+
+def _liger_fn(args):
+    """(fn(x, w, b, t) -> loss, note); fn is None when Liger cannot run this case."""
+    if not have_liger():
+        return None, "liger_kernel not installed"
+    if args.logit_scale != 1.0:
+        return None, "liger has no logit_scale"
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    kw = dict(ignore_index=IGNORE_INDEX, label_smoothing=args.label_smoothing, reduction="mean")
+    if args.softcap > 0:
+        kw["softcap"] = args.softcap
+    loss = LigerFusedLinearCrossEntropyLoss(**kw)
+    return (lambda x, w, b, t: loss(w, x, t, b)), ""
+
+
+def _provider_fn(provider: str, args):
+    """(fn(x, w, b, t) -> 0-dim loss, note); fn is None when the provider cannot run."""
+    from fxfuse.kernels.linear_cross_entropy import linear_cross_entropy_eager
+
+    extra = (IGNORE_INDEX, "mean", args.label_smoothing, args.softcap, args.logit_scale)
+    if provider == "eager":
+        return (lambda x, w, b, t: linear_cross_entropy_eager(x, w, b, t, *extra)), ""
+    if provider == "inductor":
+        compiled = torch.compile(linear_cross_entropy_eager)
+        return (lambda x, w, b, t: compiled(x, w, b, t, *extra)), ""
+    if provider == "liger":
+        return _liger_fn(args)
+    if provider == "fxfuse":
+        return (lambda x, w, b, t: torch.ops.fxfuse.linear_cross_entropy(x, w, b, t, *extra)), ""
+    raise ValueError(provider)
+
+
+def _inputs(n: int, h: int, v: int, dtype: torch.dtype, args, seed: int = 0):
+    """x [n, h], W [v, h] (std 1/sqrt(h): logits ~ N(0, 1)), b [v] or None, target [n] with ~5% ignored."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, h, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    w = (torch.randn(v, h, device="cuda", dtype=dtype, generator=gen) * h**-0.5).requires_grad_(not args.frozen_weight)
+    b = torch.randn(v, device="cuda", dtype=dtype, generator=gen).requires_grad_() if args.bias else None
+    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    t[torch.rand(n, device="cuda", generator=gen) < 0.05] = IGNORE_INDEX
+    return x, w, b, t
+
+
+def _fwd_bwd(fn, x, w, b, t):
+    """[loss, dx, (dW), (db)] of one fwd+bwd, without accumulating into .grad."""
+    wrt = [p for p in (x, w, b) if p is not None and p.requires_grad]
+    loss = fn(x, w, b, t)
+    return [loss, *torch.autograd.grad(loss, wrt)]
+
+
+def _max_rel_err(fn, n: int, h: int, v: int, dtype: torch.dtype, args) -> float:
+    """Max over loss and grads of max|got - ref| / max|ref|, ref = fp32 eager on the same inputs."""
+    x, w, b, t = _inputs(n, h, v, dtype, args, seed=1)
+    up = lambda p: p.detach().float().requires_grad_(p.requires_grad) if p is not None else None  # noqa: E731
+    eager, _ = _provider_fn("eager", args)
+    ref = _fwd_bwd(eager, up(x), up(w), up(b), t)
+    got = _fwd_bwd(fn, x, w, b, t)
+    return max(((g.float() - r).abs().max() / r.abs().max()).item() for g, r in zip(got, ref))
+
+
+def run(args) -> list[Row]:
+    dtype = getattr(torch, args.dtype)
+    ceiling = copy_ceiling_gbps()
+    print(f"copy ceiling: {ceiling:.0f} GB/s", flush=True)
+    rows = []
+    for shape in args.shapes:
+        n, h, v = (int(s) for s in shape.lower().split("x"))
+        es = torch.empty((), dtype=dtype).element_size()
+        case = f"lce {n}x{h}x{v} {args.dtype}"
+        nbytes = lce_bytes(n, h, v, es, args.bias, args.frozen_weight)
+        flops = lce_flops(n, h, v, args.frozen_weight)
+        print(f"{case}: floor (dW + dx) {floor_mib(n, h, v, es, args.frozen_weight):.0f} MiB", flush=True)
+        for provider in args.providers:
+            fn, note = _provider_fn(provider, args)
+            if fn is None:
+                rows.append(Row(case, provider, None, note=note))
+                continue
+            err = _max_rel_err(fn, n, h, v, dtype, args)
+            x, w, b, t = _inputs(n, h, v, dtype, args)
+            step = lambda: _fwd_bwd(fn, x, w, b, t)  # noqa: E731
+            ms = bench_ms(step)
+            gbps = nbytes / ms / 1e6
+            note = f"{flops / ms / 1e9:.0f} TFLOP/s"
+            rows.append(Row(case, provider, ms, gbps, 100 * gbps / ceiling, peak_extra_mib(step), err, note))
+            del x, w, b, t, step
+            torch.cuda.empty_cache()
+    print_table(rows)
+    return rows
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="NxHxV per case")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--label-smoothing", type=float, default=0.0)
+    parser.add_argument("--softcap", type=float, default=0.0)
+    parser.add_argument("--logit-scale", type=float, default=1.0)
+    parser.add_argument("--bias", action="store_true", help="lm_head with a bias [V]")
+    parser.add_argument("--frozen-weight", action="store_true", help="W.requires_grad = False (no dW)")
+    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(parser)
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""Fused lm_head + cross-entropy that never materialises the [N, V] logits.
+
+    torch.ops.fxfuse.linear_cross_entropy(x, weight, bias, target, ignore_index=-100,
+        reduction="mean", label_smoothing=0.0, softcap=0.0, logit_scale=1.0) -> fp32 0-dim tensor
+
+x [N, H], weight [V, H] (fp32/bf16/fp16, same dtype), bias [V] or None, target [N] int64.
+
+Forward, per row n (eps = label_smoothing, c = softcap, s = logit_scale, t = target[n]):
+    z_n   = (x_n @ weight.T + bias) * s                   [V] fp32 (z = c * tanh(z / c) if c > 0)
+    lse_n = logsumexp(z_n)
+    row_n = (1 - eps) * (lse_n - z_n[t]) + eps * (lse_n - mean(z_n)),  0 where t == ignore_index
+    loss  = sum(row)  ("sum")  or  sum(row) / count(t != ignore_index)  ("mean")
+This is F.cross_entropy(float32(z), target, ignore_index, reduction, label_smoothing) exactly,
+including an all-ignored batch: "mean" gives nan (0 / 0, as PyTorch), "sum" gives 0, and every
+gradient is 0. Targets outside [0, V) other than ignore_index are not checked (no host syncs).
+
+Backward, with w_n = dloss/drow_n (grad / count or grad; 0 on ignored rows):
+    dz_n  = w_n * (softmax(z_n) - (1 - eps) * onehot(t) - eps / V)          [V]
+    dzr_n = dz_n * s * (1 - (z_n / c)^2 if c > 0 else 1)                     [V] grad of x @ W.T + b
+    dx = dzr @ weight [N, H],  dweight = dzr.T @ x [V, H],  dbias = dzr.sum(0) [V]
+
+Design: chunk rows into passes of R tokens and the vocabulary into chunks of C columns. Forward
+computes each [R, C] logits chunk with one cuBLAS matmul (fp32 output, so no bf16 rounding of
+logits) and a Triton kernel folds it into a running (max, sum-exp, target logit, logit sum) per
+row: 1 matmul of x @ W.T in total. Backward recomputes each chunk (matmul 2), a Triton kernel
+turns it into dzr in the input dtype, then dx_pass += dzr @ W_chunk (matmul 3, into an fp32
+[R, H] accumulator) and dW_chunk (+)= dzr.T @ x_pass (matmul 4, K = R tokens reduced in fp32
+inside cuBLAS, rounded to the weight dtype once per pass: once when N <= R). Four matmuls, not
+Liger's three: computing gradients in the forward needs either the whole [N, V] row block (lse
+must be final before dW can be formed) or token chunks whose dW read-modify-write over the whole
+[V, H] weight per chunk is memory bound. We take four big, well-shaped matmuls, an eval forward
+of one matmul, and fp32 dW accumulation; this misses the 34 ms goal at N=8192, H=4096,
+V=128256 by about the cost of one matmul (~11 ms) and meets the memory goal: peak extra is
+dW + dx + the fp32 dx accumulator of one pass (64 MiB) + one fp32 logits chunk and its
+gradient (24 MiB). Precision: logits, softmax and every matmul accumulate in fp32; dzr is
+rounded to the input dtype once (as eager rounds its logits' grad). With more than one pass
+(N > R = 4096 tokens at H = 4096) dW is rounded to bf16/fp16 once per pass: at 8 passes the
+fp16 test measures ~1.9x eager's dW error (the bound is 2x), so very long batches lose some.
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import use_triton
+
+_DX_ACC_BYTES = 64 << 20
+_LOGITS_BYTES = 16 << 20
+_CHUNK_OVERRIDE = None  # (rows, cols): tests force many small chunks
+
+
+@triton.jit
+def _tanh(u):
+    # tanh from exp: saturates to +-1 without overflow (exp -> inf gives 1 - 0).
+    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+
+
+@triton.jit
+def _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """fp32 logits of one tile from the raw matmul tile zr (fp32)."""
+    if HAS_BIAS:
+        zr += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    z = zr * scale
+    if SOFTCAP:
+        z = softcap * _tanh(z / softcap)
+    return z
+
+
+@triton.jit
+def _lce_fwd_chunk_kernel(
+    z_ptr,  # [R, C] fp32 raw logits x[n0:n0+R] @ W[v0:v0+C].T, row stride stride_z, unit col stride
+    bias_ptr,  # [V] bias (any float dtype), offset to v0 by the host; unused unless HAS_BIAS
+    target_ptr,  # [N] int64 targets
+    state_ptr,  # [4, N] fp32, contiguous: running max, running sum-exp, target logit, logit sum
+    n0, v0, C, N, stride_z, scale, softcap,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    row = n0 + r
+    z_row = z_ptr + r.to(tl.int64) * stride_z
+    t = tl.load(target_ptr + row) - v0
+    m = tl.load(state_ptr + row)
+    s = tl.load(state_ptr + N + row)
+    zt = 0.0
+    zsum = 0.0
+    for c0 in range(0, C, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < C
+        zr = tl.load(z_row + cols, mask=mask, other=0.0)
+        z = _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS, SOFTCAP)
+        z = tl.where(mask, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
+        zt += tl.sum(tl.where(cols == t, z, 0.0), axis=0)
+        zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+    tl.store(state_ptr + row, m)
+    tl.store(state_ptr + N + row, s)
+    tl.store(state_ptr + 2 * N + row, tl.load(state_ptr + 2 * N + row) + zt)
+    tl.store(state_ptr + 3 * N + row, tl.load(state_ptr + 3 * N + row) + zsum)
+
+
+@triton.jit
+def _lce_bwd_chunk_kernel(
+    z_ptr,  # [R, C] fp32 raw logits chunk (as in the forward), row stride stride_z
+    g_ptr,  # [R, C] out: grad of the raw logits in the input dtype, row stride stride_g (may be z)
+    bias_ptr,  # [V] bias offset to v0 by the host; unused unless HAS_BIAS
+    target_ptr,  # [N] int64 targets
+    lse_ptr,  # [N] fp32 logsumexp of each row's logits
+    drow_ptr,  # [N] fp32 grad of each row's loss (may be inf on ignored rows: masked here)
+    n0, v0, C, stride_z, stride_g, ignore_index, scale, softcap, on_target, off_target,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    row = n0 + r
+    z_row = z_ptr + r.to(tl.int64) * stride_z
+    g_row = g_ptr + r.to(tl.int64) * stride_g
+    t = tl.load(target_ptr + row)
+    w = tl.where(t == ignore_index, 0.0, tl.load(drow_ptr + row))
+    t = t - v0
+    lse = tl.load(lse_ptr + row)
+    for c0 in range(0, C, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < C
+        zr = tl.load(z_row + cols, mask=mask, other=0.0)
+        z = _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS, SOFTCAP)
+        dz = tl.exp(z - lse) - off_target - tl.where(cols == t, on_target, 0.0)
+        dz = dz * w * scale
+        if SOFTCAP:
+            dz = dz * (1.0 - (z / softcap) * (z / softcap))
+        tl.store(g_row + cols, dz.to(g_ptr.dtype.element_ty), mask=mask)
+
+
+def _block(cols: int) -> int:
+    # One tile covers a 1024-wide chunk row; wider chunks loop (4 warps x 8 fp32 per thread).
+    return min(triton.next_power_of_2(cols), 1024)
+
+
+def _num_warps(block: int) -> int:
+    # >= 8 elements per thread keeps loads vectorised; small tiles need few warps.
+    return max(1, min(8, block // 256))
+
+
+def _rows_per_pass(n: int, h: int) -> int:
+    # Tokens whose fp32 dx accumulator [R, H] fits in 64 MiB: the one buffer above the dx+dW floor.
+    if _CHUNK_OVERRIDE is not None:
+        return _CHUNK_OVERRIDE[0]
+    return max(1, min(n, _DX_ACC_BYTES // (4 * h)))
+
+
+def _cols_per_chunk(rows: int, v: int) -> int:
+    # Vocab columns whose fp32 logits chunk [R, C] fits in 16 MiB; a multiple of 128 (GEMM tile).
+    if _CHUNK_OVERRIDE is not None:
+        return _CHUNK_OVERRIDE[1]
+    return min(v, max(128, (_LOGITS_BYTES // (4 * rows)) // 128 * 128))
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, P] -> fp32 [M, P] with fp32 accumulation and no rounding to a's dtype."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda and hasattr(torch.ops.aten.mm, "dtype"):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    if a.is_cuda:
+        return (a @ b).float()  # torch < 2.8: cuBLAS rounds to a's dtype, as eager does
+    return a.float() @ b.float()
+
+
+def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc [M, P] fp32 += a [M, K] @ b [K, P]."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif a.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    elif a.is_cuda:
+        acc.add_(a @ b)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
+def _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, scale):
+    rows, cols = z.shape
+    b = bias[v0:] if bias is not None else z
+    if not use_triton(z):
+        return _fwd_chunk_reference(z, bias, target, state, n0, v0, softcap, scale)
+    block = _block(cols)
+    _lce_fwd_chunk_kernel[(rows,)](
+        z, b, target, state, n0, v0, cols, target.shape[0], z.stride(0), scale, softcap,
+        HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, BLOCK=block, num_warps=_num_warps(block),
+    )
+
+
+def _bwd_chunk(z, g, bias, target, lse, drow, n0, v0, ignore_index, smoothing, vocab, softcap, scale):
+    rows, cols = z.shape
+    on_target, off_target = 1.0 - smoothing, smoothing / vocab
+    if not use_triton(z):
+        g.copy_(_bwd_chunk_reference(z, bias, target, lse, drow, n0, v0, ignore_index, on_target,
+                                     off_target, softcap, scale))
+        return
+    b = bias[v0:] if bias is not None else z
+    block = _block(cols)
+    _lce_bwd_chunk_kernel[(rows,)](
+        z, g, b, target, lse, drow, n0, v0, cols, z.stride(0), g.stride(0), ignore_index, scale,
+        softcap, on_target, off_target,
+        HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, BLOCK=block, num_warps=_num_warps(block),
+    )
+
+
+@torch.library.custom_op("fxfuse::linear_cross_entropy_fwd", mutates_args=())
+def linear_cross_entropy_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
+    ignore_index: int, label_smoothing: float, softcap: float, logit_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row losses [N] fp32 (0 on ignored rows) and logsumexp [N] fp32 (saved for backward)."""
+    x, weight, target = x.contiguous(), weight.contiguous(), target.contiguous()
+    n, h = x.shape
+    vocab = weight.shape[0]
+    state = torch.zeros(4, n, device=x.device, dtype=torch.float32)
+    state[0].fill_(float("-inf"))
+    rows = _rows_per_pass(n, h)
+    cols = _cols_per_chunk(rows, vocab)
+    for n0 in range(0, n, rows):
+        xs = x[n0:n0 + rows]
+        for v0 in range(0, vocab, cols):
+            z = _mm_f32(xs, weight[v0:v0 + cols].T)
+            _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, logit_scale)
+    lse = state[0] + state[1].log()
+    eps = label_smoothing
+    loss = (1.0 - eps) * (lse - state[2]) + eps * (lse - state[3] / vocab)
+    loss = torch.where(target == ignore_index, 0.0, loss)
+    return loss, lse
+
+
+@linear_cross_entropy_fwd.register_fake
+def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_scale):
+    n = x.shape[0]
+    return x.new_empty(n, dtype=torch.float32), x.new_empty(n, dtype=torch.float32)
+
+
+@torch.library.custom_op("fxfuse::linear_cross_entropy_bwd", mutates_args=())
+def linear_cross_entropy_bwd(
+    drow: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+    target: torch.Tensor, lse: torch.Tensor, ignore_index: int, label_smoothing: float,
+    softcap: float, logit_scale: float, need_dx: bool, need_dw: bool, need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias); each one not needed is an empty tensor."""
+    x, weight, target = x.contiguous(), weight.contiguous(), target.contiguous()
+    drow = drow.contiguous().float()
+    n, h = x.shape
+    vocab = weight.shape[0]
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
+    dw = torch.empty_like(weight) if need_dw else weight.new_empty(0)
+    db = torch.zeros(vocab, device=x.device, dtype=torch.float32) if need_db else x.new_empty(0)
+    rows = _rows_per_pass(n, h)
+    cols = _cols_per_chunk(rows, vocab)
+    for n0 in range(0, n, rows):
+        xs = x[n0:n0 + rows]
+        acc = torch.zeros(xs.shape[0], h, device=x.device, dtype=torch.float32) if need_dx else None
+        for v0 in range(0, vocab, cols):
+            wc = weight[v0:v0 + cols]
+            z = _mm_f32(xs, wc.T)
+            g = z if x.dtype == torch.float32 else torch.empty_like(z, dtype=x.dtype)
+            _bwd_chunk(z, g, bias, target, lse, drow, n0, v0, ignore_index, label_smoothing, vocab,
+                       softcap, logit_scale)
+            if need_dx:
+                _addmm_f32_(acc, g, wc)
+            if need_dw and n0 == 0:
+                torch.mm(g.T, xs, out=dw[v0:v0 + cols])
+            elif need_dw:
+                dw[v0:v0 + cols].addmm_(g.T, xs)
+            if need_db:
+                db[v0:v0 + cols] += g.sum(0, dtype=torch.float32)
+        if need_dx:
+            dx[n0:n0 + rows].copy_(acc)
+    return dx, dw, db.to(bias.dtype) if need_db else db
+
+
+@linear_cross_entropy_bwd.register_fake
+def _(drow, x, weight, bias, target, lse, ignore_index, label_smoothing, softcap, logit_scale,
+      need_dx, need_dw, need_db):
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
+    dw = torch.empty_like(weight) if need_dw else weight.new_empty(0)
+    db = torch.empty_like(bias) if need_db else x.new_empty(0)
+    return dx, dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_scale = inputs
+    ctx.save_for_backward(x, weight, bias, target, output[1])
+    ctx.args = (ignore_index, label_smoothing, softcap, logit_scale)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, drow, dlse):
+    x, weight, bias, target, lse = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    need_db = need_db and bias is not None
+    if drow is None or not (need_dx or need_dw or need_db):
+        return (None,) * 8
+    dx, dw, db = torch.ops.fxfuse.linear_cross_entropy_bwd(
+        drow, x, weight, bias, target, lse, *ctx.args, need_dx, need_dw, need_db)
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 5
+
+
+linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+torch.library.define(
+    "fxfuse::linear_cross_entropy",
+    "(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index=-100, "
+    "str reduction=\"mean\", float label_smoothing=0.0, float softcap=0.0, float logit_scale=1.0) -> Tensor",
+)
+
+
+@torch.library.impl("fxfuse::linear_cross_entropy", "CompositeImplicitAutograd")
+def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="mean",
+                         label_smoothing=0.0, softcap=0.0, logit_scale=1.0):
+    """0-dim fp32 loss; decomposes into the fwd op (autograd: the bwd op) plus the reduction."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+    rows, _ = torch.ops.fxfuse.linear_cross_entropy_fwd(
+        x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_scale)
+    if reduction == "sum":
+        return rows.sum()
+    return rows.sum() / (target != ignore_index).sum()
+
+
+def linear_cross_entropy_eager(x, weight, bias, target, ignore_index=-100, reduction="mean",
+                               label_smoothing=0.0, softcap=0.0, logit_scale=1.0):
+    """The unfused definition (materialises [N, V]): what the matcher replaces."""
+    z = torch.nn.functional.linear(x, weight, bias) * logit_scale
+    if softcap > 0:
+        z = softcap * torch.tanh(z / softcap)
+    return torch.nn.functional.cross_entropy(z.float(), target, ignore_index=ignore_index,
+                                             reduction=reduction, label_smoothing=label_smoothing)
+
+
+def _logits_reference(z, bias, v0, softcap, scale):
+    if bias is not None:
+        z = z + bias[v0:v0 + z.shape[1]].float()
+    z = z * scale
+    return softcap * torch.tanh(z / softcap) if softcap > 0 else z
+
+
+def _fwd_chunk_reference(z, bias, target, state, n0, v0, softcap, scale):
+    """PyTorch twin of _lce_fwd_chunk_kernel: folds one chunk into state[:, n0:n0+R]."""
+    rows, cols = z.shape
+    z = _logits_reference(z, bias, v0, softcap, scale)
+    st = state[:, n0:n0 + rows]
+    m_new = torch.maximum(st[0], z.amax(1))
+    st[1] = st[1] * (st[0] - m_new).exp() + (z - m_new[:, None]).exp().sum(1)
+    st[0] = m_new
+    t = target[n0:n0 + rows] - v0
+    hit = (t >= 0) & (t < cols)
+    st[2] += torch.where(hit, z.gather(1, t.clamp(0, cols - 1)[:, None])[:, 0], 0.0)
+    st[3] += z.sum(1)
+
+
+def _bwd_chunk_reference(z, bias, target, lse, drow, n0, v0, ignore_index, on_target, off_target,
+                         softcap, scale):
+    """PyTorch twin of _lce_bwd_chunk_kernel: fp32 grad of one raw logits chunk."""
+    rows, cols = z.shape
+    z = _logits_reference(z, bias, v0, softcap, scale)
+    t = target[n0:n0 + rows]
+    w = torch.where(t == ignore_index, 0.0, drow[n0:n0 + rows])
+    onehot = torch.arange(v0, v0 + cols, device=z.device)[None, :] == t[:, None]
+    dz = (z - lse[n0:n0 + rows, None]).exp() - off_target - onehot * on_target
+    dz = dz * w[:, None] * scale
+    return dz * (1.0 - (z / softcap) ** 2) if softcap > 0 else dz
