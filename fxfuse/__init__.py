@@ -1,0 +1,22 @@
+"""fxfuse: a torch.compile backend that fuses RMSNorm, RoPE, SwiGLU and lm_head + cross-entropy in any
+traced model. ``torch.compile(model, backend="fxfuse")``; ``fxfuse.explain(model, *args)`` for a report.
+"""
+from __future__ import annotations
+
+from .explain import explain
+from .report import PATTERN_NAMES, Report, Site
+
+__all__ = ["explain", "Report", "Site", "PATTERN_NAMES", "last_report", "compiled_reports"]
+
+
+def last_report() -> Report:
+    """Report of the graph the fxfuse backend compiled last (``compiled_reports()`` has them all)."""
+    from .backend import last_report as _last
+
+    return _last()
+
+
+def compiled_reports() -> list[Report]:
+    from .backend import compiled_reports as _all
+
+    return _all()

@@ -1,0 +1,67 @@
+"""The ``fxfuse`` torch.compile backend: normalise, match, rewrite, report, hand to the inner compiler.
+
+Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so
+``torch.compile(model, backend="fxfuse")`` works after ``pip install`` without ``import fxfuse``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+import torch.fx as fx
+
+from .dump import dump_report
+from .normalize import to_aten
+from .options import Options
+from .report import Report
+from .rewrite import rewrite
+
+log = logging.getLogger("fxfuse")
+_REPORTS: list[tuple[str, Report]] = []  # (Dynamo compile id, report) of every graph compiled
+_graph_ids = itertools.count()
+
+
+def selected_patterns(names):
+    from fxfuse.patterns import all_patterns
+
+    return [p for p in all_patterns() if p.name in names]
+
+
+def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.GraphModule, Report]:
+    """Dynamo graph -> rewritten ATen graph and its report (no inner compile)."""
+    aten_gm = to_aten(gm, example_inputs)
+    before = aten_gm.code if opts.debug_dir else ""
+    report = rewrite(aten_gm, selected_patterns(opts.patterns))
+    if opts.debug_dir:
+        dump_report(opts.debug_dir, f"graph{next(_graph_ids)}", report, before, aten_gm)
+    return aten_gm, report
+
+
+def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
+    opts = Options.parse(options)
+    aten_gm, report = transform(gm, example_inputs, opts)
+    _REPORTS.append((str(gm.meta.get("dynamo_compile_id", "")), report))
+    log.info("%s", report)
+    if opts.inner == "eager":
+        return aten_gm
+    if opts.inner == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(aten_gm, example_inputs)
+    from torch._inductor import config, list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    mode_opts = list_mode_options(mode) if mode not in (None, "default") else {}
+    with config.patch({**mode_opts, **opts.inductor_config}):
+        return compile_fx(aten_gm, example_inputs)
+
+
+def compiled_reports() -> list[Report]:
+    """Reports of every graph the backend compiled in this process, oldest first."""
+    return [r for _, r in _REPORTS]
+
+
+def last_report() -> Report:
+    """Report of the most recently compiled graph (empty if none)."""
+    return _REPORTS[-1][1] if _REPORTS else Report()

@@ -1,0 +1,205 @@
+"""Canonical view of an ATen FX graph for matching: one networkx node per FX node, spellings unified.
+
+Both user graphs and pattern graphs go through ``build_view``, so a pattern written one way matches
+the other spellings of the same math (rules below, each exact or within one fp32 rounding). The FX
+graph itself is never changed here: a view node only carries a canonical label and literal tuple,
+and every matched region is replaced whole by the rewrite.
+
+Rules (user spelling -> canonical label):
+  - casts (``to``, ``_to_copy``, ``type_as``) -> ``cast`` with literal "f32" / "low" (bf16, fp16) /
+    the dtype; a cast that does not change dtype or device disappears (its users see its input).
+  - ``mul(a, a)`` -> ``pow(a, 2)``;  ``pow(a, -0.5)`` -> ``rsqrt(a)``;
+    ``div(a, sqrt(b))`` -> ``mul(a, rsqrt(b))`` (the sqrt has no other user).
+  - ``div(sum(a, dims, keepdim), N)`` with N the number of summed elements -> ``mean(a, dims, keepdim)``.
+  - reduction dims and ``rms_norm``'s normalized_shape are written as negative dims.
+  - ``add`` and ``mul`` are commutative: their two tensor operands match in either order.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+CASTS = {
+    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other,
+    aten._to_copy.default, aten.type_as.default,
+}
+COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
+# op -> index of its dims argument, rewritten as negative dims of the first input
+DIM_ARGS = {aten.mean.dim: 1, aten.sum.dim_IntList: 1, aten.amax.default: 1}
+
+
+@dataclass
+class VNode:
+    label: str  # canonical op name, "*" for a pattern placeholder
+    lits: tuple  # literal (non-tensor) arguments, canonicalised
+    members: tuple  # FX nodes this view node stands for (the last one is its output)
+
+
+def val(n) -> torch.Tensor | None:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def dtype_class(dt: torch.dtype) -> str:
+    if dt == torch.float32:
+        return "f32"
+    if dt in (torch.bfloat16, torch.float16):
+        return "low"
+    return str(dt)
+
+
+def is_noop_cast(n: fx.Node) -> bool:
+    src, out = val(n.args[0]), val(n)
+    return src is not None and out is not None and src.dtype == out.dtype and src.device == out.device
+
+
+def _neg_dims(dims, rank: int):
+    if isinstance(dims, int):
+        return dims - rank if dims >= 0 else dims
+    if isinstance(dims, (list, tuple)):
+        return tuple(d - rank if isinstance(d, int) and d >= 0 else d for d in dims)
+    return dims
+
+
+def _lit(a):
+    """A hashable literal; FX nodes become None (they are edges, not literals)."""
+    if isinstance(a, fx.Node):
+        return None
+    if isinstance(a, (list, tuple)):
+        return tuple(_lit(x) for x in a)
+    if isinstance(a, torch.SymInt):
+        return "symint"
+    return a
+
+
+def _with_defaults(n: fx.Node) -> tuple[list, dict]:
+    """Positional args padded with the schema's defaults; kwargs equal to their default dropped, so
+    ``rms_norm(x, s, w)`` and ``rms_norm(x, s, w, None)`` read the same."""
+    args, kwargs = list(n.args), dict(n.kwargs)
+    schema = getattr(n.target, "_schema", None)
+    if schema is None:
+        return args, kwargs
+    for a in schema.arguments[len(args):]:
+        if a.kwarg_only or not a.has_default_value():
+            break
+        args.append(a.default_value)
+    for a in schema.arguments:
+        if a.kwarg_only and a.name in kwargs and a.has_default_value() and kwargs[a.name] == a.default_value:
+            del kwargs[a.name]
+    return args, kwargs
+
+
+def _tensor_args(n: fx.Node) -> list[tuple[str, fx.Node]]:
+    """(argument position, input node) of n's FX-node inputs; list elements get "i.j"."""
+    out = []
+    for i, a in enumerate(n.args):
+        if isinstance(a, fx.Node):
+            out.append((str(i), a))
+        elif isinstance(a, (list, tuple)):
+            out += [(f"{i}.{j}", x) for j, x in enumerate(a) if isinstance(x, fx.Node)]
+    for k, a in n.kwargs.items():
+        if isinstance(a, fx.Node):
+            out.append((k, a))
+    return out
+
+
+def _is_divisor_sqrt(n) -> bool:
+    """n is sqrt(b) used only as the divisor of a div: the pair reads as mul(a, rsqrt(b))."""
+    if not (isinstance(n, fx.Node) and n.target == aten.sqrt.default and len(n.users) == 1):
+        return False
+    user = next(iter(n.users))
+    return user.target == aten.div.Tensor and user.args[1] is n and user.args[0] is not n
+
+
+def _summed_numel(sum_node: fx.Node) -> int | None:
+    x = val(sum_node.args[0])
+    if x is None:
+        return None
+    dims = sum_node.args[1] if len(sum_node.args) > 1 else None
+    if not dims:
+        return None
+    try:
+        return math.prod(int(x.shape[d]) for d in dims)
+    except (TypeError, ValueError):  # symbolic size: leave it a sum
+        return None
+
+
+def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict[fx.Node, fx.Node]]:
+    """networkx view of graph: nodes keyed by FX node name, edges carry the argument position.
+    Also returns the elided no-op casts (cast -> its input)."""
+    g = nx.MultiDiGraph()
+    vnodes: dict[str, VNode] = {}
+    alias: dict[fx.Node, fx.Node] = {}  # elided cast -> the node its users see
+    absorbed: set[fx.Node] = set()  # FX nodes folded into a later view node
+
+    def resolve(n: fx.Node) -> fx.Node:
+        while n in alias:
+            n = alias[n]
+        return n
+
+    nodes = list(graph.nodes)
+    for n in nodes:
+        if n.op == "call_function" and n.target in CASTS and is_noop_cast(n):
+            alias[n] = n.args[0]
+        # sum feeding only div(sum, N) with N its element count is folded into the div (-> mean)
+        if (n.op == "call_function" and n.target == aten.div.Tensor and isinstance(n.args[0], fx.Node)
+                and n.args[0].target == aten.sum.dim_IntList and len(n.args[0].users) == 1
+                and isinstance(n.args[1], (int, float)) and _summed_numel(n.args[0]) == n.args[1]):
+            absorbed.add(n.args[0])
+
+    for n in nodes:
+        if n in alias or n in absorbed or n.op == "output":
+            continue
+        label, lits, edges, members = _canon(n)
+        vnodes[n.name] = VNode(label, lits, tuple(members))
+        g.add_node(n.name)
+        for pos, src in edges:
+            src = resolve(src)
+            g.add_edge(src.name, n.name, pos="c" if label in COMMUTATIVE_LABELS else pos)
+    return g, vnodes, alias
+
+
+COMMUTATIVE_LABELS = {str(op) for op in COMMUTATIVE}
+
+
+def _canon(n: fx.Node):
+    """(label, literals, [(pos, input node)], FX members) of one FX node."""
+    if n.op in ("placeholder", "get_attr"):
+        return n.op, (), [], [n]
+    if n.op != "call_function":
+        return f"{n.op}:{n.target}", (), _tensor_args(n), [n]
+    t = n.target
+    if t is operator.getitem:
+        return "getitem", (n.args[1],), [("0", n.args[0])], [n]
+    if t in CASTS:
+        out = val(n)
+        return "cast", (dtype_class(out.dtype) if out is not None else "?",), [("0", n.args[0])], [n]
+    if t == aten.mul.Tensor and n.args[0] is n.args[1]:
+        return str(aten.pow.Tensor_Scalar), (None, 2), [("0", n.args[0])], [n]
+    if t == aten.pow.Tensor_Scalar and n.args[1] == -0.5:
+        return str(aten.rsqrt.default), (None,), [("0", n.args[0])], [n]
+    if t == aten.div.Tensor and _is_divisor_sqrt(n.args[1]):
+        return str(aten.mul.Tensor), (None, None), [("0", n.args[0]), ("1", n.args[1])], [n]
+    if t == aten.sqrt.default and _is_divisor_sqrt(n):
+        return str(aten.rsqrt.default), (None,), [("0", n.args[0])], [n]
+    if t == aten.div.Tensor and isinstance(n.args[0], fx.Node) and n.args[0].target == aten.sum.dim_IntList \
+            and len(n.args[0].users) == 1 and _summed_numel(n.args[0]) == n.args[1]:
+        s = n.args[0]
+        x = val(s.args[0])
+        dims = _neg_dims(s.args[1], x.dim())
+        keep = s.args[2] if len(s.args) > 2 else s.kwargs.get("keepdim", False)
+        return str(aten.mean.dim), (None, dims, keep), [("0", s.args[0])], [s, n]
+    args, kwargs = _with_defaults(n)
+    lits = [_lit(a) for a in args] + [(k, _lit(v)) for k, v in sorted(kwargs.items())]
+    if t in DIM_ARGS and val(n.args[0]) is not None and len(lits) > DIM_ARGS[t]:
+        lits[DIM_ARGS[t]] = _neg_dims(lits[DIM_ARGS[t]], val(n.args[0]).dim())
+    if t == aten.rms_norm.default:
+        lits[1] = tuple(range(-len(n.args[1]), 0))
+    return str(t), tuple(lits), _tensor_args(n), [n]

@@ -1,0 +1,168 @@
+"""Find pattern instances in an ATen graph: networkx subgraph monomorphism, then checks.
+
+For each pattern graph, every user node whose canonical label equals the pattern's anchor label is a
+candidate; the monomorphism search runs on the backward cone of that node (as deep as the pattern),
+which keeps each search small. A structural match then must pass, in order: captured literals
+consistent, no intermediate used outside the match, no overlap with an accepted match, and the
+pattern's own check (dtypes, shapes). Failures at a site where no variant was accepted become
+unmatched candidates with the reason.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch.fx as fx
+from networkx.algorithms.isomorphism import MultiDiGraphMatcher
+
+from .canon import VNode, build_view
+from .pattern import SENTINELS, Pattern, PatternGraph, Variant, is_sentinel, trace_variant
+
+
+@dataclass
+class Match:
+    pattern: Pattern
+    variant: Variant
+    anchor: fx.Node  # FX node whose value the fused op replaces
+    inputs: dict[str, fx.Node]  # tensor parameter name -> user node bound to it
+    scalars: dict[str, Any]  # captured float parameter name -> literal in the user's graph
+    region: set[fx.Node] = field(default_factory=set)  # FX nodes computed inside the match
+
+    @property
+    def consts(self) -> dict:
+        return self.variant.consts
+
+
+@dataclass
+class Miss:
+    anchor: fx.Node
+    variant: str
+    reason: str
+    size: int  # pattern size, to keep the most specific reason per site
+    region: set = field(default_factory=set)  # FX nodes the structural match covered, if any
+
+
+def _lits_match(p, t) -> bool:
+    if is_sentinel(p):
+        return t is None or isinstance(t, (int, float)) and not isinstance(t, bool)
+    if isinstance(p, tuple) and isinstance(t, tuple):
+        return len(p) == len(t) and all(_lits_match(a, b) for a, b in zip(p, t))
+    return type(p) is type(t) and p == t or (
+        isinstance(p, (int, float)) and isinstance(t, (int, float))
+        and not isinstance(p, bool) and not isinstance(t, bool) and p == t)
+
+
+def _bind(p, t, out: dict[float, Any]) -> bool:
+    """Collect sentinel -> user literal; False if one sentinel meets two different values."""
+    if is_sentinel(p):
+        if p in out and out[p] != t:
+            return False
+        out[p] = t
+        return True
+    if isinstance(p, tuple):
+        return all(_bind(a, b, out) for a, b in zip(p, t))
+    return True
+
+
+def _edge_match(ge, pe) -> bool:
+    return sorted(d["pos"] for d in ge.values()) == sorted(d["pos"] for d in pe.values())
+
+
+class GraphMatcher:
+    """Matches patterns against one FX graph; rebuild after each rewrite."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.nodes = {n.name: n for n in graph.nodes}
+        self.view, self.vnodes, self.alias = build_view(graph)
+        self.rview = self.view.reverse(copy=False)
+        self.order = {n: i for i, n in enumerate(graph.nodes)}
+
+    def find(self, pattern: Pattern, claimed: set[fx.Node]) -> tuple[list[Match], list[Miss]]:
+        pgraphs = [pg for v in pattern.variants for pg in trace_variant(pattern, v)]
+        pgraphs.sort(key=lambda pg: -pg.graph.number_of_nodes())  # most specific spelling first
+        matches: list[Match] = []
+        misses: dict[fx.Node, Miss] = {}
+        for pg in pgraphs:
+            label = pg.vnodes[pg.anchor]
+            for name, vn in self.vnodes.items():
+                if vn.label != label.label:
+                    continue
+                anchor = self.nodes[name]
+                if anchor in claimed:
+                    continue
+                m, reason, region = self._match_at(pattern, pg, name)
+                if not region or region & claimed:
+                    continue  # no structural match, or inside a larger accepted one
+                if m is not None:
+                    reason = pattern.check(m)
+                if reason is None:
+                    matches.append(m)
+                    claimed |= m.region
+                    misses.pop(anchor, None)
+                elif anchor not in misses or misses[anchor].size < pg.graph.number_of_nodes():
+                    misses[anchor] = Miss(anchor, pg.variant.name, reason, pg.graph.number_of_nodes(), region)
+        live = [mi for a, mi in misses.items() if a not in claimed]
+        live = [mi for mi in live if not any(mi.anchor in o.region for o in live if o is not mi)]  # one per site
+        for mi in live:
+            if mi.region & claimed:
+                mi.reason += "; a smaller spelling inside it was fused instead"
+        covered = set().union(claimed, *(mi.region for mi in live))
+        for name, vn in self.vnodes.items():
+            node = self.nodes[name]
+            if vn.label in pattern.seeds and node not in covered:
+                live.append(Miss(node, "", f"looks like {pattern.name} ({vn.label.split('.')[-2]}) but no "
+                                 f"variant matched how it is written", 0, {node}))
+        matches.sort(key=lambda m: self.order[m.anchor])
+        return matches, live
+
+    def _with_noop_casts(self, region: set[fx.Node], out: fx.Node) -> set[fx.Node]:
+        """Add the elided no-op casts that sit between region nodes (their input is in the region and
+        is not the output: a no-op cast of the output stays, reading the fused value)."""
+        grown = True
+        while grown:
+            extra = {c for c, src in self.alias.items() if src in region and src is not out and c not in region}
+            region |= extra
+            grown = bool(extra)
+        return region
+
+    def _match_at(self, pattern: Pattern, pg: PatternGraph, anchor: str):
+        """(Match, None, region) on success; (None, reason, region) for a structural match that fails
+        a check; (None, None, set()) when the structure does not match."""
+        cone = nx.single_source_shortest_path_length(self.rview, anchor, cutoff=pg.depth)
+        sub = self.view.subgraph(cone)
+        vn, pvn = self.vnodes, pg.vnodes
+
+        gm = MultiDiGraphMatcher(sub, pg.graph, edge_match=_edge_match)
+        base = gm.semantic_feasibility  # edge semantics; node semantics need the anchor, added here
+        gm.semantic_feasibility = lambda g, p: _feasible(vn[g], pvn[p], g == anchor, p == pg.anchor) and base(g, p)
+        first_reason, first_region = None, set()
+        for mapping in gm.subgraph_monomorphisms_iter():
+            out = self.nodes[anchor]
+            region = self._with_noop_casts(
+                {m for g, p in mapping.items() if p not in pg.wildcards for m in vn[g].members}, out)
+            first_region = first_region or region
+            binds: dict[float, Any] = {}
+            if not all(_bind(pvn[p].lits, vn[g].lits, binds) for g, p in mapping.items() if pvn[p].label != "*"):
+                first_reason = first_reason or "captured literals differ between uses"
+                continue
+            inputs = {pg.wildcards[p]: self.nodes[g] for g, p in mapping.items() if p in pg.wildcards}
+            escaping = [n for n in region if n is not out and any(u not in region for u in n.users)]
+            if escaping:
+                first_reason = first_reason or (
+                    f"intermediate {escaping[0].name} ({escaping[0].target}) is also used outside the "
+                    f"{pattern.name} site by {', '.join(u.name for u in escaping[0].users if u not in region)}; "
+                    "fusing would recompute or drop it")
+                continue
+            scalars = {pg.scalars[SENTINELS.index(s)]: v for s, v in binds.items()}
+            return Match(pattern, pg.variant, out, inputs, scalars, region), None, region
+        return None, first_reason, first_region
+
+
+def _feasible(g: VNode, p: VNode, g_is_anchor: bool, p_is_anchor: bool) -> bool:
+    if p_is_anchor != g_is_anchor:
+        return False
+    if p.label == "*":
+        return True
+    return g.label == p.label and _lits_match(p.lits, g.lits)

@@ -1,0 +1,56 @@
+"""Dynamo's torch-IR graph -> one canonical ATen level (make_fx, pre_dispatch=True).
+
+pre_dispatch keeps ``aten.linear``, ``aten.silu``, ``aten.cross_entropy_loss``, ``aten.rms_norm``,
+``aten.to.dtype`` and autocast enter/exit nodes, so patterns are written against the ops people call
+and autocast stays a region, not casts baked into every op. Node metadata (module path, stack trace)
+is carried through by interpreting the graph node by node under ``preserve_node_meta``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch._guards import TracingContext, detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+# placeholder metadata Dynamo and AOTAutograd read back (sources, static-input detection)
+_DYNAMO_GM_ATTRS = ("_param_name_to_source",)
+
+
+def _fakify(example_inputs, fake_mode):
+    ctx = TracingContext.try_get()
+    contexts = ctx.tensor_to_context if ctx is not None else {}
+    out = []
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor):
+            out.append(fake_mode.from_tensor(x, symbolic_context=contexts.get(x)))
+        else:
+            out.append(x)
+    return out
+
+
+def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
+    """Re-trace Dynamo's graph to pre-dispatch ATen; keeps Dynamo's graph and placeholder metadata."""
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = _fakify(example_inputs, fake_mode)
+
+    def run(*args):
+        return fx.Interpreter(gm).run(*args)
+
+    with fake_mode, fx_traceback.preserve_node_meta():
+        aten_gm = make_fx(run, pre_dispatch=True)(*fakes)
+    aten_gm.graph.eliminate_dead_code()  # make_fx leaves dead aten.detach nodes
+    aten_gm.recompile()
+    aten_gm.meta.update(gm.meta)
+    for attr in _DYNAMO_GM_ATTRS:
+        if hasattr(gm, attr):
+            setattr(aten_gm, attr, getattr(gm, attr))
+    old = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    new = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+    for o, n in zip(old, new):
+        for k, v in o.meta.items():
+            n.meta.setdefault(k, v)
+        if hasattr(o, "_dynamo_source"):  # a node attribute, read by AOTAutograd for static inputs
+            n._dynamo_source = o._dynamo_source
+    return aten_gm

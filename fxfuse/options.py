@@ -1,0 +1,41 @@
+"""Backend options: ``torch.compile(model, backend="fxfuse", options={...})``."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .report import PATTERN_NAMES
+
+INNER = ("inductor", "aot_eager", "eager")
+DOC = {
+    "inner": f"inner compiler for the rewritten graph, one of {INNER} (default 'inductor')",
+    "patterns": f"iterable of pattern names to fuse, subset of {PATTERN_NAMES} (default: all)",
+    "debug_dir": "folder for one report dump per compiled graph (default: $FXFUSE_DEBUG_DIR, else none)",
+    "inductor_config": "dict of torch._inductor.config overrides for the inner Inductor compile",
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    inner: str = "inductor"
+    patterns: tuple[str, ...] = PATTERN_NAMES
+    debug_dir: str | None = None
+    inductor_config: dict = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, options: dict | None) -> Options:
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(DOC))
+        if unknown:
+            valid = "\n".join(f"  {k}: {v}" for k, v in DOC.items())
+            raise ValueError(f"fxfuse: unknown option(s) {unknown}; valid options:\n{valid}")
+        inner = options.get("inner", "inductor")
+        if inner not in INNER:
+            raise ValueError(f"fxfuse: option 'inner' must be one of {INNER}, got {inner!r}")
+        pats = options.get("patterns", PATTERN_NAMES)
+        pats = (pats,) if isinstance(pats, str) else tuple(pats)
+        bad = [p for p in pats if p not in PATTERN_NAMES]
+        if bad:
+            raise ValueError(f"fxfuse: unknown pattern(s) {bad}; valid: {PATTERN_NAMES}")
+        debug_dir = options.get("debug_dir", os.environ.get("FXFUSE_DEBUG_DIR") or None)
+        return cls(inner, pats, debug_dir, dict(options.get("inductor_config") or {}))

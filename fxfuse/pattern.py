@@ -1,0 +1,126 @@
+"""Pattern definitions: plain eager functions traced once into canonical view graphs.
+
+A ``Pattern`` is one fused op (``rms_norm``, ...) with several ``Variant``s, each a plain eager
+function copied from how real models write the op. Tensor parameters of a variant are wildcards
+(any node may bind); float parameters are captured literals: they are traced with a sentinel value
+that matches any number in the user's graph and is handed to ``lower`` under the parameter's name.
+``check`` returns None to accept a match or the reason the site stays unfused; ``lower`` emits the
+fused call. Adding a spelling means adding a function; the engine does not change.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .canon import VNode, build_view
+
+# Captured float parameters are traced with these values; a view literal equal to one is a wildcard.
+SENTINELS = (1.2345e-3, 2.3456e-3, 3.4567e-3, 4.5678e-3)
+
+
+def is_sentinel(v) -> bool:
+    return isinstance(v, float) and v in SENTINELS
+
+
+@dataclass(frozen=True)
+class Variant:
+    fn: Callable  # the eager reference: how some model writes the op
+    consts: dict = field(default_factory=dict)  # fixed lowering arguments of this spelling
+    # dtype sets to trace with, overriding the pattern's (e.g. a spelling that only exists in fp32)
+    dtypes: tuple | None = None
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+    def __hash__(self):
+        return hash(self.fn)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    name: str  # public pattern name (Report.counts keys)
+    variants: tuple[Variant, ...]
+    shapes: dict[str, tuple[int, ...]]  # example shape of each tensor parameter, for tracing
+    dtypes: tuple[dict[str, torch.dtype], ...]  # dtype sets to trace each variant with
+    check: Callable[[Any], str | None]  # Match -> None (accept) or the reason it is not fused
+    lower: Callable[[Any, fx.Graph], fx.Node]  # emit the fused call before the anchor; return it
+    seeds: frozenset[str] = frozenset()  # view labels that mark a candidate site if left unmatched
+    saved: Callable[[Any], str] = lambda m: ""  # what the fusion stops writing, for the report
+
+    def __hash__(self):
+        return hash(self.name)
+
+
+@dataclass
+class PatternGraph:
+    variant: Variant
+    graph: nx.MultiDiGraph
+    vnodes: dict[str, VNode]
+    anchor: str  # view node of the returned value
+    wildcards: dict[str, str]  # view node -> tensor parameter name
+    depth: int  # longest path in the graph: how far back from the anchor to look
+    scalars: tuple[str, ...]  # captured float parameters, in SENTINELS order
+
+
+@functools.cache
+def trace_variant(pattern: Pattern, variant: Variant) -> tuple[PatternGraph, ...]:
+    """Pattern graphs of one variant, one per distinct dtype set (identical traces deduplicated)."""
+    params = list(inspect.signature(variant.fn).parameters)
+    tensors = [p for p in params if p in pattern.shapes]
+    scalars = [p for p in params if p not in pattern.shapes]
+    if len(scalars) > len(SENTINELS):
+        raise ValueError(f"{variant.name}: at most {len(SENTINELS)} captured scalars")
+    out, seen = [], set()
+    for dts in variant.dtypes or pattern.dtypes:
+        args = [torch.randn(pattern.shapes[p], dtype=dts[p]) for p in tensors]
+
+        def fn(*ts):
+            kw = dict(zip(tensors, ts)) | dict(zip(scalars, SENTINELS))
+            return variant.fn(**kw)
+
+        with warnings.catch_warnings():  # mixed-dtype example inputs warn in some ops' fast paths
+            warnings.simplefilter("ignore")
+            gm = make_fx(fn, pre_dispatch=True)(*args)
+        gm.graph.eliminate_dead_code()
+        g, vnodes, _ = build_view(gm.graph)
+        sig = _signature(g, vnodes)
+        if sig in seen:
+            continue
+        seen.add(sig)
+        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for ph in phs:
+            if ph.name in g and g.out_degree(ph.name) == 0:  # parameter unused by this spelling
+                g.remove_node(ph.name)
+                del vnodes[ph.name]
+        wildcards = {ph.name: tensors[i] for i, ph in enumerate(phs) if ph.name in vnodes}
+        for name in wildcards:
+            vnodes[name] = VNode("*", (), ())
+        ret = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        ret = ret[0] if isinstance(ret, (tuple, list)) else ret
+        anchor = _resolve_alias(ret, vnodes)
+        out.append(PatternGraph(variant, g, vnodes, anchor, wildcards, nx.dag_longest_path_length(g), tuple(scalars)))
+    return tuple(out)
+
+
+def _resolve_alias(n: fx.Node, vnodes) -> str:
+    while n.name not in vnodes:  # a returned no-op cast stands for its input
+        n = n.args[0]
+    return n.name
+
+
+def _signature(g: nx.MultiDiGraph, vnodes) -> str:
+    order = {n: i for i, n in enumerate(g.nodes)}
+    rows = []
+    for n in g.nodes:
+        ins = sorted((d["pos"], order[s]) for s, _, d in g.in_edges(n, data=True))
+        rows.append(f"{vnodes[n].label}{vnodes[n].lits}{ins}")
+    return ";".join(rows)

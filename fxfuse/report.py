@@ -1,0 +1,108 @@
+"""What fxfuse did to a graph: matched sites, unmatched candidates and why.
+
+A site is one pattern instance: one RMSNorm call, one attention layer's q+k rotation, one gated-MLP
+activation, one lm_head + cross-entropy. ``Report`` gathers the sites of every graph Dynamo handed
+the backend for one model (graph breaks give several graphs).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+
+import torch.fx as fx
+
+PATTERN_NAMES = ("rms_norm", "rope", "swiglu", "linear_cross_entropy")
+
+
+@dataclass
+class Site:
+    pattern: str  # one of PATTERN_NAMES
+    module: str  # nn.Module path of the op, e.g. "model.layers.0.mlp"; "" at the top level
+    source: str  # "file.py:123" of the user's line that produced the anchor node
+    variant: str  # pattern function that matched, e.g. "rmsnorm_llama"; "" when none did
+    reason: str = ""  # unmatched only: why the site stayed unfused
+    graph: int = 0  # index of the compiled graph (graph breaks give several)
+    nodes: list[str] = field(default_factory=list)  # FX nodes of the site (ATen graph)
+    saved: str = ""  # matched only: how much the fusion stops writing per call, e.g. "6 tensors, 7.0 KiB"
+    saved_tensors: list[str] = field(default_factory=list)  # matched only: "name:dtype[shape]" of each
+
+
+@dataclass
+class Report:
+    matched: list[Site] = field(default_factory=list)
+    unmatched: list[Site] = field(default_factory=list)
+    graphs: int = 0
+
+    def counts(self) -> dict[str, int]:
+        """Matched sites per pattern; every pattern name is present."""
+        c = Counter(s.pattern for s in self.matched)
+        return {p: c.get(p, 0) for p in PATTERN_NAMES}
+
+    def extend(self, other: Report) -> None:
+        """Append other's sites (copies, graph indices shifted after this report's graphs)."""
+        self.matched += [replace(s, graph=s.graph + self.graphs) for s in other.matched]
+        self.unmatched += [replace(s, graph=s.graph + self.graphs) for s in other.unmatched]
+        self.graphs += other.graphs
+
+    @classmethod
+    def merge(cls, reports) -> Report:
+        out = cls()
+        for r in reports:
+            out.extend(r)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "counts": self.counts(),
+                "graphs": self.graphs,
+                "matched": [asdict(s) for s in self.matched],
+                "unmatched": [asdict(s) for s in self.unmatched],
+            },
+            indent=2,
+        )
+
+    def __str__(self) -> str:
+        counts = ", ".join(f"{k} {v}" for k, v in self.counts().items())
+        lines = [f"fxfuse report: {len(self.matched)} matched, {len(self.unmatched)} unmatched "
+                 f"in {self.graphs} graph(s) [{counts}]"]
+        if self.matched:
+            lines.append(_table("matched", self.matched, ("pattern", "variant", "module", "source", "saved")))
+        if self.unmatched:
+            lines.append(_table("unmatched", self.unmatched, ("pattern", "module", "source", "reason")))
+        return "\n".join(lines)
+
+
+def _table(title: str, sites: list[Site], cols: tuple[str, ...]) -> str:
+    rows = [[str(getattr(s, c)) for c in cols] for s in sites]
+    widths = [min(60, max(len(c), *(len(r[i]) for r in rows))) for i, c in enumerate(cols)]
+    fmt = lambda r: "  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([f"{title}:", fmt(cols), *map(fmt, rows)])
+
+
+_ROOT = re.compile(r"^L\['[^']*'\](\[\d+\])?\.?")
+
+
+def module_path(node: fx.Node) -> str:
+    """nn.Module path of the innermost module that produced node ("model.layers.0.mlp")."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = _ROOT.sub("", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def source_line(node: fx.Node) -> str:
+    """file:line of the user's code that produced node, from Dynamo's stack trace."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    if not frames:
+        return ""
+    path, line = frames[-1]
+    return f"{os.path.basename(path)}:{line}"

@@ -1,0 +1,115 @@
+"""RMSNorm: ``y = x / sqrt(mean(x^2, -1) + eps) * w`` in the spellings real models use.
+
+Each function below is copied from how a model family writes it; the canonical view (fxfuse/canon.py)
+already unifies ``x * x`` / ``pow(2)``, ``mean`` / ``sum / N``, ``* rsqrt`` / ``/ sqrt`` / ``** -0.5``,
+and drops casts that do not change dtype, so an fp32 model matches the same functions. Per-head q/k
+norms on [B, T, H, D] are the same functions (the reduction is over the last dim only).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from fxfuse.canon import CASTS, val
+from fxfuse.pattern import Pattern, Variant
+
+SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rmsnorm_llama(x, w, eps):
+    """HF Llama, Mistral, Qwen2, Phi-3, ...: normalise in fp32, cast back, then weight."""
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return w * h.to(x.dtype)
+
+
+def rmsnorm_gemma(x, w, eps, offset):
+    """HF Gemma / Gemma 2 / Gemma 3: weight stored as w - 1, multiplied as (1 + w) in fp32."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h * (offset + w.float())
+    return h.type_as(x)
+
+
+def rmsnorm_weight_fp32(x, w, eps):
+    """GPT-OSS, T5: the weight multiply happens in fp32, the cast comes last."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (w * h).to(x.dtype)
+
+
+def rmsnorm_plain(x, w, eps):
+    """Hand-written models (nanoGPT-style, gpt-fast in fp32): no casts at all."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rmsnorm_torch(x, w, eps):
+    """torch.nn.RMSNorm / F.rms_norm (aten.rms_norm; eps=None means the fp32 machine epsilon)."""
+    return F.rms_norm(x, x.shape[-1:], w, eps)
+
+
+def rmsnorm_no_weight(x, eps):
+    """elementwise_affine=False norms (OLMo-style, some q/k norms)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return h.to(x.dtype)
+
+
+def rmsnorm_torch_no_weight(x, eps):
+    """torch.nn.RMSNorm(elementwise_affine=False)."""
+    return F.rms_norm(x, x.shape[-1:], None, eps)
+
+
+def check(m) -> str | None:
+    x, w = val(m.inputs["x"]), val(m.inputs.get("w"))
+    out = val(m.anchor)
+    if x is None or out is None:
+        return "no shape/dtype information on the input"
+    for name, t in (("input", x), ("weight", w), ("output", out)):
+        if t is not None and t.dtype not in SUPPORTED:
+            return f"{name} dtype {t.dtype} not supported (float32, bfloat16, float16)"
+    if x.device.type not in ("cuda", "cpu"):
+        return f"device {x.device} not supported"
+    if w is not None and (w.dim() != 1 or w.shape[0] != x.shape[-1]):
+        return f"weight shape {list(w.shape)} is not [{x.shape[-1]}] (the normalised dim)"
+    low = {val(n).dtype for n in m.region if n.target in CASTS and val(n).dtype != torch.float32}
+    if low - {x.dtype}:
+        return f"casts to {sorted(map(str, low))}, not to the input dtype {x.dtype}"
+    eps = m.scalars.get("eps")
+    if eps is not None and not isinstance(eps, (int, float)):
+        return f"eps {eps!r} is not a constant number"
+    return None
+
+
+def lower(m, graph: fx.Graph) -> fx.Node:
+    import fxfuse.kernels.rms_norm  # noqa: F401  registers torch.ops.fxfuse.rms_norm
+
+    x = m.inputs["x"]
+    eps = m.scalars.get("eps")
+    if eps is None:  # aten.rms_norm's default: machine epsilon of the fp32 compute type
+        eps = torch.finfo(torch.float32 if val(x).dtype != torch.float64 else torch.float64).eps
+    args = (x, m.inputs.get("w"), float(eps), float(m.scalars.get("offset", 0.0)),
+            m.consts["cast_before_weight"], val(m.anchor).dtype)
+    return graph.call_function(torch.ops.fxfuse.rms_norm.default, args)
+
+
+_bf, _f32 = torch.bfloat16, torch.float32
+PATTERN = Pattern(
+    name="rms_norm",
+    variants=(
+        Variant(rmsnorm_llama, {"cast_before_weight": True}),
+        Variant(rmsnorm_gemma, {"cast_before_weight": False}),
+        Variant(rmsnorm_weight_fp32, {"cast_before_weight": False}),
+        Variant(rmsnorm_plain, {"cast_before_weight": False}),
+        Variant(rmsnorm_torch, {"cast_before_weight": False}),
+        Variant(rmsnorm_no_weight, {"cast_before_weight": True}),
+        Variant(rmsnorm_torch_no_weight, {"cast_before_weight": False}),
+    ),
+    shapes={"x": (2, 3, 22), "w": (22,)},
+    dtypes=({"x": _bf, "w": _bf}, {"x": _f32, "w": _f32}, {"x": _bf, "w": _f32}),
+    check=check,
+    lower=lower,
+    seeds=frozenset({str(torch.ops.aten.rsqrt.default), str(torch.ops.aten.rms_norm.default)}),
+)

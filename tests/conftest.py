@@ -1,0 +1,26 @@
+"""Test session setup: Triton kernels run under the interpreter on CPU (set before triton is imported),
+so graph tests exercise the same kernel code a GPU runs. FXFUSE_TEST_DEVICE=cuda runs on a GPU."""
+import os
+
+if os.environ.get("FXFUSE_TEST_DEVICE", "cpu") != "cuda":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from scratch: no cached graph from an earlier test."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -1,0 +1,74 @@
+"""Shared test helpers: tiny HF models from config, site counts derived from the model, parity."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+import fxfuse
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, use_cache=False,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def hf_model(model_type: str, dtype=torch.float32, seed: int = 0, **overrides) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).to(dtype)
+
+
+def batch(vocab: int = 96, b: int = 2, t: int = 9, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, t), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def count_calls(model: nn.Module, is_site, *args, **kwargs) -> int:
+    """How many times modules with is_site(module) run in one eager forward of model."""
+    calls = []
+    hooks = [m.register_forward_hook(lambda *_: calls.append(1)) for m in model.modules() if is_site(m)]
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return len(calls)
+
+
+def is_rms_norm(m: nn.Module) -> bool:
+    return isinstance(m, nn.RMSNorm) or type(m).__name__.endswith("RMSNorm")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def loss_and_grads(model: nn.Module, inputs: dict, loss_fn=None, call=None):
+    """Loss of (call or model)(**inputs) and the grads of model's parameters after backward."""
+    model.zero_grad(set_to_none=True)
+    out = (model if call is None else call)(**inputs)
+    loss = loss_fn(out) if loss_fn else out.loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def compiled_parity(model: nn.Module, inputs: dict, inner: str = "aot_eager", loss_fn=None, **compile_kw):
+    """Eager vs fxfuse-compiled loss and grads on copies of the same model.
+    Returns (loss rel err, worst grad rel err, report, grad names compared)."""
+    eager = copy.deepcopy(model)
+    ref_loss, ref_grads = loss_and_grads(eager, inputs, loss_fn)
+    mine = copy.deepcopy(model)
+    n0 = len(fxfuse.compiled_reports())
+    compiled = torch.compile(mine, backend="fxfuse", options={"inner": inner}, **compile_kw)
+    loss, grads = loss_and_grads(mine, inputs, loss_fn, call=compiled)
+    assert grads.keys() == ref_grads.keys(), "compiled model produced gradients for other parameters"
+    worst = max(rel_err(grads[k], ref_grads[k]) for k in ref_grads)
+    report = fxfuse.Report.merge(fxfuse.compiled_reports()[n0:])
+    return rel_err(loss, ref_loss), worst, report, sorted(ref_grads)

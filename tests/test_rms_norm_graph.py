@@ -1,0 +1,141 @@
+"""RMSNorm end to end: every spelling is matched in real and hand-written models, and the compiled
+model's loss and gradients equal eager's."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxfuse
+from helpers import batch, compiled_parity, count_calls, hf_model, is_rms_norm, rel_err
+
+FP32_TOL = 1e-5
+HF_TYPES = ["llama", "mistral", "qwen2", "phi3", "gemma", "qwen3"]
+
+
+@pytest.mark.parametrize("model_type", HF_TYPES)
+def test_hf_models_every_rmsnorm_fused(model_type):
+    model = hf_model(model_type)
+    inputs = batch()
+    expected = count_calls(model, is_rms_norm, **inputs)
+    loss_err, grad_err, report, names = compiled_parity(model, inputs)
+    assert report.counts()["rms_norm"] == expected
+    assert not [s for s in report.unmatched if s.pattern == "rms_norm"], str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+    assert any("norm" in n for n in names)  # norm weights are among the compared gradients
+
+
+def test_llama_through_inductor():
+    model = hf_model("llama")
+    inputs = batch()
+    loss_err, grad_err, report, _ = compiled_parity(model, inputs, inner="inductor")
+    assert report.counts()["rms_norm"] == count_calls(model, is_rms_norm, **inputs)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL
+
+
+def test_report_names_modules_and_sources():
+    model = hf_model("llama", num_hidden_layers=1)
+    report = fxfuse.explain(model, **batch())
+    modules = sorted(s.module for s in report.matched)
+    assert modules == ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm", "model.norm"]
+    assert all(s.variant == "rmsnorm_llama" and s.source.startswith("modeling_llama.py:") for s in report.matched)
+    assert all(s.saved_tensors for s in report.matched)
+
+
+# Hand-written spellings. Each takes (x [..., D], w [D], eps) and returns the normalised x.
+def _llama(x, w, eps):
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+SPELLINGS = {
+    "pow_mean_rsqrt": lambda x, w, eps: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w,
+    "x_times_x": lambda x, w, eps: x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w,
+    "sum_over_n": lambda x, w, eps: x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) / x.shape[-1] + eps) * w,
+    "div_sqrt": lambda x, w, eps: x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w,
+    "pow_minus_half": lambda x, w, eps: x * (x.pow(2).mean(-1, keepdim=True) + eps) ** -0.5 * w,
+    "weight_first": lambda x, w, eps: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)),
+    "llama_upcast": _llama,
+    "gemma_one_plus_w": lambda x, w, eps: (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+                                           * (1.0 + w.float())).type_as(x),
+    "F_rms_norm": lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps),
+    "F_rms_norm_default_eps": lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w),
+    "no_weight": lambda x, w, eps: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps),
+}
+
+
+class Block(nn.Module):
+    """embed -> linear -> norm (optionally per head on [B, T, H, D]) -> linear; loss = mean square."""
+
+    def __init__(self, norm, d=24, heads=None, vocab=50):
+        super().__init__()
+        self.norm, self.heads = norm, heads
+        self.emb = nn.Embedding(vocab, d)
+        self.inp = nn.Linear(d, d)
+        nd = d // heads if heads else d
+        self.w = nn.Parameter(1 + 0.1 * torch.randn(nd))
+        self.out = nn.Linear(d, d)
+
+    def forward(self, input_ids, labels=None):
+        h = self.inp(self.emb(input_ids))
+        if self.heads:
+            b, t, d = h.shape
+            h = self.norm(h.view(b, t, self.heads, d // self.heads), self.w, 1e-5).reshape(b, t, d)
+        else:
+            h = self.norm(h, self.w, 1e-5)
+        return self.out(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("heads", [None, 3], ids=["rows", "per_head"])
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_spellings_matched_with_parity(spelling, heads):
+    torch.manual_seed(0)
+    model = Block(SPELLINGS[spelling], heads=heads)
+    inputs = {"input_ids": torch.randint(0, 50, (2, 7))}
+    loss_err, grad_err, report, _ = compiled_parity(model, inputs, loss_fn=lambda out: out)
+    assert report.counts()["rms_norm"] == 1, str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+def test_torch_nn_rmsnorm_module():
+    model = nn.Sequential(nn.Embedding(50, 16), nn.RMSNorm(16), nn.Linear(16, 4), nn.RMSNorm(4, eps=1e-3))
+    loss_err, grad_err, report, _ = compiled_parity(
+        model, {"input": torch.randint(0, 50, (3, 5))}, loss_fn=lambda out: out.square().sum())
+    assert report.counts()["rms_norm"] == 2
+    assert {s.variant for s in report.matched} == {"rmsnorm_torch"}
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL
+
+
+class SharedIntermediate(nn.Module):
+    """Near misses: an intermediate of the norm is also used after it, so it must stay written.
+    "normed": Llama-style in bf16, the fp32 normalised x feeds a second output;
+    "variance": the mean of squares feeds a second output."""
+
+    def __init__(self, shared: str, d=16):
+        super().__init__()
+        self.shared = shared
+        self.w = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        h = x.float()
+        variance = h.pow(2).mean(-1, keepdim=True)
+        normed = h * torch.rsqrt(variance + 1e-6)
+        out = self.w * normed.to(x.dtype)
+        side = normed if self.shared == "normed" else variance
+        return out.float().sum() + side.sum()
+
+
+@pytest.mark.parametrize("shared,dtype", [("normed", torch.bfloat16), ("variance", torch.float32)])
+def test_near_miss_reported_with_reason(shared, dtype):
+    model = SharedIntermediate(shared).to(dtype)
+    x = torch.randn(4, 16, dtype=dtype)
+    report = fxfuse.explain(model, x)
+    (site,) = [s for s in report.unmatched if s.pattern == "rms_norm"]
+    assert "also used outside" in site.reason, site.reason
+    if shared == "normed":  # the weightless norm of the fp32 x is still a whole RMSNorm: fused
+        assert [s.variant for s in report.matched] == ["rmsnorm_no_weight"]
+        assert "smaller spelling inside it was fused" in site.reason
+    else:
+        assert report.counts()["rms_norm"] == 0
+    # still correct when compiled: the site stays unfused
+    out = torch.compile(model, backend="fxfuse", options={"inner": "eager"})(x)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
