@@ -1,0 +1,139 @@
+"""Benchmark of fxfuse.swiglu (gated-MLP activation), bf16 fwd+bwd, against eager, Inductor and Liger.
+
+    python bench/bench_swiglu.py [--shapes 16384x14336 8192x8192] [--act silu] [--chunked]
+
+Each case times ``out = act(g) * u`` and its backward (``torch.autograd.grad``, so no gradient
+accumulation traffic) and reports GB/s from ``swiglu_bytes`` against the measured copy ceiling.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import PROVIDERS, Row, bench_ms, copy_ceiling_gbps, have_liger, peak_extra_mib, print_table  # noqa: E402
+
+DEFAULT_SHAPES = ("16384x14336", "8192x8192")
+
+
+def swiglu_bytes(m: int, i: int, element_size: int) -> int:
+    """Minimum bytes of fwd+bwd: fwd reads g, u and writes out; bwd reads g, u, dout and writes dg, du."""
+    return (3 + 5) * m * i * element_size
+
+
+def eager_swiglu(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        return F.silu(g) * u
+    return F.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none") * u
+
+
+def _liger_fn(act: str):
+    """Liger's fused op for act, or (None, reason)."""
+    if not have_liger():
+        return None, "liger_kernel not installed"
+    if act == "silu":
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+        return LigerSiLUMulFunction.apply, ""
+    if act == "gelu_tanh":
+        from liger_kernel.ops.geglu import LigerGELUMulFunction
+
+        return LigerGELUMulFunction.apply, ""
+    return None, f"liger has no {act} gated op"
+
+
+def _provider_fn(provider: str, act: str):
+    """(fn(g, u) -> out, note); fn is None when the provider cannot run."""
+    if provider == "eager":
+        return (lambda g, u: eager_swiglu(g, u, act)), ""
+    if provider == "inductor":
+        compiled = torch.compile(eager_swiglu)
+        return (lambda g, u: compiled(g, u, act)), ""
+    if provider == "liger":
+        return _liger_fn(act)
+    if provider == "fxfuse":
+        import fxfuse.kernels.swiglu  # noqa: F401  (registers torch.ops.fxfuse.swiglu)
+
+        return (lambda g, u: torch.ops.fxfuse.swiglu(g, u, act)), ""
+    raise ValueError(provider)
+
+
+def _inputs(m: int, i: int, dtype: torch.dtype, chunked: bool, seed: int = 0):
+    """gate, up: [m, i] leaf tensors (or halves of one [m, 2i] leaf when chunked), and dout: [m, i]."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    if chunked:
+        gate_up = torch.randn(m, 2 * i, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+        g, u = gate_up.chunk(2, dim=-1)
+        leaves = (gate_up,)
+    else:
+        g = torch.randn(m, i, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+        u = torch.randn(m, i, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+        leaves = (g, u)
+    dout = torch.randn(m, i, device="cuda", dtype=dtype, generator=gen)
+    return g, u, dout, leaves
+
+
+def _fwd_bwd(fn, g, u, dout):
+    """out, dg, du of one fwd+bwd; grads w.r.t. the (possibly non-leaf) views g and u."""
+    out = fn(g, u)
+    dg, du = torch.autograd.grad(out, (g, u), dout)
+    return out, dg, du
+
+
+def _max_err(fn, m: int, i: int, dtype: torch.dtype, act: str, chunked: bool) -> float:
+    """Max abs error of out, dg, du vs an fp32 reference on the same inputs (fresh copies: Liger's
+    backward overwrites its saved inputs in place)."""
+    g, u, dout, _ = _inputs(m, i, dtype, chunked, seed=1)
+    g32 = g.detach().float().requires_grad_()
+    u32 = u.detach().float().requires_grad_()
+    ref = _fwd_bwd(lambda a, b: eager_swiglu(a, b, act), g32, u32, dout.float())
+    got = _fwd_bwd(fn, g, u, dout)
+    return max((x.float() - r).abs().max().item() for x, r in zip(got, ref))
+
+
+def run(args) -> list[Row]:
+    dtype = getattr(torch, args.dtype)
+    ceiling = copy_ceiling_gbps()
+    print(f"copy ceiling: {ceiling:.0f} GB/s", flush=True)
+    rows = []
+    for shape in args.shapes:
+        m, i = (int(v) for v in shape.lower().split("x"))
+        case = f"swiglu-{args.act} {m}x{i} {args.dtype}{' chunked' if args.chunked else ''}"
+        nbytes = swiglu_bytes(m, i, torch.empty((), dtype=dtype).element_size())
+        for provider in args.providers:
+            fn, note = _provider_fn(provider, args.act)
+            if fn is None:
+                rows.append(Row(case, provider, None, note=note))
+                continue
+            g, u, dout, _ = _inputs(m, i, dtype, args.chunked)
+            step = lambda: _fwd_bwd(fn, g, u, dout)  # noqa: E731
+            err = _max_err(fn, m, i, dtype, args.act, args.chunked)
+            ms = bench_ms(step)
+            gbps = nbytes / ms / 1e6
+            rows.append(Row(case, provider, ms, gbps, 100 * gbps / ceiling, peak_extra_mib(step), err, note))
+            del g, u, dout
+            torch.cuda.empty_cache()
+    print_table(rows)
+    return rows
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="MxI per case (gate and up each MxI)")
+    parser.add_argument("--act", default="silu", choices=("silu", "gelu", "gelu_tanh"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--chunked", action="store_true", help="gate, up = gate_up.chunk(2, -1) of one [M, 2I] tensor")
+    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(parser)
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""Gated-MLP activation (SwiGLU / GeGLU): ``torch.ops.fxfuse.swiglu(gate, up, act)``.
+
+Shapes: gate, up: [..., I] (same shape and dtype), viewed as [M, I] rows; out: [..., I].
+
+Forward (fp32 math, one rounding to the dtype at the store):
+    out = act(g) * u,          g = float32(gate), u = float32(up)
+
+Backward (act(g) is recomputed from g; only gate and up are saved):
+    dgate = dout * u * act'(g)
+    dup   = dout * act(g)
+
+Activations and derivatives:
+    silu:       act = g * s,                               act' = s * (1 + g * (1 - s)),  s = sigmoid(g)
+    gelu:       act = g * Phi(g),                          act' = Phi(g) + g * phi(g)
+                Phi(g) = 0.5 * (1 + erf(g / sqrt(2))),     phi(g) = exp(-g^2 / 2) / sqrt(2 pi)
+    gelu_tanh:  act = 0.5 * g * (1 + t),                   act' = 0.5 * (1 + t) + 0.5 * g * (1 - t^2) * z'
+                z = c * (g + 0.044715 g^3),  t = tanh(z),  z' = c * (1 + 3 * 0.044715 g^2),  c = sqrt(2 / pi)
+                tanh(z) = 2 sigmoid(2z) - 1 and 1 - t^2 = 4 sigmoid(2z) (1 - sigmoid(2z)) (no tanh
+                builtin in every supported Triton; the sigmoid form keeps 1 - t^2 accurate).
+
+Layout: each input is read as rows with its own row stride and a contiguous last dim (so the
+halves of ``gate_up.chunk(2, dim=-1)`` are read in place); any other layout is copied first.
+Outputs and gradients are new contiguous tensors.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import use_triton
+
+ACTS = ("silu", "gelu", "gelu_tanh")
+_ACT_ID = {name: i for i, name in enumerate(ACTS)}
+
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_GELU_TANH_K = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _act_and_grad(g, ACT: tl.constexpr, NEED_GRAD: tl.constexpr):
+    """(act(g), act'(g)) in fp32; act'(g) is 0.0 when NEED_GRAD is False. Constants stay on the
+    right of tensors (constexpr * tensor breaks in the interpreter)."""
+    da = 0.0
+    if ACT == 0:
+        s = tl.sigmoid(g)
+        a = g * s
+        if NEED_GRAD:
+            da = s * (1.0 + g * (1.0 - s))
+    elif ACT == 1:
+        cdf = 0.5 * (1.0 + tl.math.erf(g * _SQRT1_2))
+        a = g * cdf
+        if NEED_GRAD:
+            da = cdf + g * _INV_SQRT_2PI * tl.exp(-0.5 * g * g)
+    else:
+        g2 = g * g
+        s2 = tl.sigmoid(g * (1.0 + g2 * _GELU_TANH_K) * (2.0 * _SQRT_2_OVER_PI))
+        half_1p_t = s2  # 0.5 * (1 + tanh(z)) == sigmoid(2z)
+        a = g * half_1p_t
+        if NEED_GRAD:
+            dz = (1.0 + g2 * (3.0 * _GELU_TANH_K)) * _SQRT_2_OVER_PI
+            da = half_1p_t + 2.0 * g * s2 * (1.0 - s2) * dz
+    return a, da
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr, RNE_BY_BITS: tl.constexpr):
+    """fp32 -> DTYPE, round to nearest even. The interpreter truncates fp32 -> bf16 (the GPU rounds),
+    so under it bf16 is rounded by hand on the bits (NaN kept quiet) to test the GPU's numerics."""
+    if RNE_BY_BITS:
+        bits = x.to(tl.uint32, bitcast=True)
+        rne = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return tl.where(x != x, (bits >> 16) | 0x40, rne).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    gate_ptr,  # [M, I], row stride stride_g, last-dim stride 1
+    up_ptr,  # [M, I], row stride stride_u, last-dim stride 1
+    out_ptr,  # [M, I] contiguous (row stride I)
+    M,
+    I,
+    stride_g,
+    stride_u,
+    ACT: tl.constexpr,
+    RNE_BY_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < I)[None, :]
+    r64 = rows.to(tl.int64)[:, None]  # M * row stride can pass 2**31 elements
+    g = tl.load(gate_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a, _ = _act_and_grad(g, ACT, False)
+    tl.store(out_ptr + r64 * I + cols[None, :], _round(a * u, out_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    dout_ptr,  # [M, I], row stride stride_d, last-dim stride 1
+    gate_ptr,  # [M, I], row stride stride_g, last-dim stride 1
+    up_ptr,  # [M, I], row stride stride_u, last-dim stride 1 (unread unless NEED_DGATE)
+    dgate_ptr,  # [M, I] contiguous (unwritten unless NEED_DGATE)
+    dup_ptr,  # [M, I] contiguous (unwritten unless NEED_DUP)
+    M,
+    I,
+    stride_d,
+    stride_g,
+    stride_u,
+    ACT: tl.constexpr,
+    NEED_DGATE: tl.constexpr,
+    NEED_DUP: tl.constexpr,
+    RNE_BY_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < I)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    dout = tl.load(dout_ptr + r64 * stride_d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a, da = _act_and_grad(g, ACT, NEED_DGATE)
+    if NEED_DGATE:
+        u = tl.load(up_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dg = dout * u * da
+        tl.store(dgate_ptr + r64 * I + cols[None, :], _round(dg, dgate_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
+    if NEED_DUP:
+        tl.store(dup_ptr + r64 * I + cols[None, :], _round(dout * a, dup_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
+
+
+def _block_n(n_cols: int) -> int:
+    # Up to 8192 columns a program (measured best on H200 at I=8192/14336), halved while the
+    # ragged last column block would pad the row by > 15% (I=11008 -> 4096); >= 1024 for 16-B vectors.
+    bn = min(triton.next_power_of_2(n_cols), 8192)
+    while bn > 1024 and triton.cdiv(n_cols, bn) * bn > 1.15 * n_cols:
+        bn //= 2
+    return bn
+
+
+def _block_m(block_n: int) -> int:
+    # Tiles of >= 4096 elements: short rows are batched so each program moves >= 8 KiB per tensor.
+    return max(1, 4096 // block_n)
+
+
+def _num_warps(block_m: int, block_n: int) -> int:
+    # 16 elements (two 16-byte bf16 vectors) per thread per tensor: 4096 -> 8 warps, 8192 -> 16.
+    return max(1, min(16, block_m * block_n // 512))
+
+
+def _rne_by_bits(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bfloat16 and t.device.type == "cpu"  # CPU Triton == the interpreter
+
+
+def _check_act(act: str) -> int:
+    if act not in _ACT_ID:
+        raise ValueError(f"fxfuse.swiglu: act must be one of {ACTS}, got {act!r}")
+    return _ACT_ID[act]
+
+
+def _check_args(gate: torch.Tensor, up: torch.Tensor, act: str) -> int:
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"fxfuse.swiglu: gate {gate.shape}/{gate.dtype} and up {up.shape}/{up.dtype} differ")
+    return _check_act(act)
+
+
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """[..., I] -> ([M, I] view with last-dim stride 1, row stride); copies only if no such view exists."""
+    n = t.shape[-1]
+    if t.stride(-1) != 1 and n > 1:
+        t = t.contiguous()
+    try:
+        t2 = t.view(-1, n)
+    except RuntimeError:
+        t2 = t.contiguous().view(-1, n)
+    return t2, t2.stride(0)
+
+
+def _launch_grid(m: int, n: int, block_m: int, block_n: int) -> tuple[int, int]:
+    # Rows on grid axis 0 (up to 2**31 - 1 programs); column blocks on axis 1 (<= 65535).
+    return (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+
+
+_lib = torch.library.Library("fxfuse", "FRAGMENT")
+_lib.define("swiglu(Tensor gate, Tensor up, str act) -> Tensor")
+_lib.define(
+    "swiglu_backward(Tensor grad_out, Tensor gate, Tensor up, str act, bool need_dgate, bool need_dup)"
+    " -> (Tensor, Tensor)"
+)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up with fp32 math; gate, up: [..., I] same shape/dtype; out: contiguous [..., I]."""
+    act_id = _check_args(gate, up, act)
+    if not use_triton(gate):
+        return _swiglu_reference(gate, up, act)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel() == 0:
+        return out
+    g2, sg = _rows(gate)
+    u2, su = _rows(up)
+    m, n = g2.shape
+    bn = _block_n(n)
+    bm = _block_m(bn)
+    _swiglu_fwd_kernel[_launch_grid(m, n, bm, bn)](
+        g2, u2, out, m, n, sg, su,
+        ACT=act_id, RNE_BY_BITS=_rne_by_bits(out), BLOCK_M=bm, BLOCK_N=bn, num_warps=_num_warps(bm, bn),
+    )
+    return out
+
+
+def swiglu_backward(
+    grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str, need_dgate: bool, need_dup: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup), each [..., I] contiguous; a gradient not asked for comes back as an empty [0] tensor."""
+    act_id = _check_act(act)
+    if not use_triton(gate):
+        return _swiglu_backward_reference(grad_out, gate, up, act, need_dgate, need_dup)
+    dgate = torch.empty(gate.shape if need_dgate else (0,), dtype=gate.dtype, device=gate.device)
+    dup = torch.empty(gate.shape if need_dup else (0,), dtype=gate.dtype, device=gate.device)
+    if gate.numel() == 0 or not (need_dgate or need_dup):
+        return dgate, dup
+    d2, sd = _rows(grad_out)
+    g2, sg = _rows(gate)
+    u2, su = _rows(up)
+    m, n = g2.shape
+    bn = _block_n(n)
+    bm = _block_m(bn)
+    _swiglu_bwd_kernel[_launch_grid(m, n, bm, bn)](
+        d2, g2, u2, dgate, dup, m, n, sd, sg, su,
+        ACT=act_id, NEED_DGATE=need_dgate, NEED_DUP=need_dup, RNE_BY_BITS=_rne_by_bits(gate),
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=_num_warps(bm, bn),
+    )
+    return dgate, dup
+
+
+# Plain Library registration, not torch.library.custom_op: custom_op's Python dispatch and
+# autograd wrapper cost ~0.3 ms of CPU per fwd+bwd on the H200 host, more than the kernels
+# themselves at 8192x8192.
+for _key in ("CPU", "CUDA"):
+    _lib.impl("swiglu", swiglu, _key)
+    _lib.impl("swiglu_backward", swiglu_backward, _key)
+
+
+@torch.library.register_fake("fxfuse::swiglu", lib=_lib)
+def _(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    _check_args(gate, up, act)
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.register_fake("fxfuse::swiglu_backward", lib=_lib)
+def _(grad_out, gate, up, act, need_dgate, need_dup):
+    _check_act(act)
+    return gate.new_empty(gate.shape if need_dgate else (0,)), gate.new_empty(gate.shape if need_dup else (0,))
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    """Autograd of fxfuse::swiglu; saves only gate and up (act(gate) is recomputed in backward)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, act):
+        ctx.save_for_backward(gate, up)
+        ctx.act = act
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.fxfuse.swiglu(gate, up, act)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up = ctx.saved_tensors
+        need_dgate, need_dup = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_dgate or need_dup):
+            return None, None, None
+        dgate, dup = torch.ops.fxfuse.swiglu_backward(grad_out, gate, up, ctx.act, need_dgate, need_dup)
+        return (dgate if need_dgate else None), (dup if need_dup else None), None
+
+
+def _swiglu_autograd(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    # The autograd.Function only when a gradient can flow: its apply() costs ~50 us of CPU.
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SwiGLUFunction.apply(gate, up, act)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.fxfuse.swiglu(gate, up, act)
+
+
+_lib.impl("swiglu", _swiglu_autograd, "Autograd")
+
+
+def _act_ref(g: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        return torch.nn.functional.silu(g)
+    return torch.nn.functional.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
+def _act_grad_ref(g: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        s = torch.sigmoid(g)
+        return s * (1.0 + g * (1.0 - s))
+    if act == "gelu":
+        return 0.5 * (1.0 + torch.erf(g * _SQRT1_2.value)) + g * _INV_SQRT_2PI.value * torch.exp(-0.5 * g * g)
+    g2 = g * g
+    c, k = _SQRT_2_OVER_PI.value, _GELU_TANH_K.value
+    t = torch.tanh(c * g * (1.0 + k * g2))
+    return 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * c * (1.0 + 3.0 * k * g2)
+
+
+def _swiglu_reference(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up in fp32 (fp64 stays fp64), rounded once; contiguous output."""
+    wide = torch.promote_types(gate.dtype, torch.float32)
+    out = _act_ref(gate.to(wide), act) * up.to(wide)
+    return out.to(gate.dtype).contiguous()
+
+
+def _swiglu_backward_reference(grad_out, gate, up, act, need_dgate, need_dup):
+    wide = torch.promote_types(gate.dtype, torch.float32)
+    d, g, u = grad_out.to(wide), gate.to(wide), up.to(wide)
+    empty = gate.new_empty(0)
+    dgate = (d * u * _act_grad_ref(g, act)).to(gate.dtype).contiguous() if need_dgate else empty
+    dup = (d * _act_ref(g, act)).to(gate.dtype).contiguous() if need_dup else empty
+    return dgate, dup

@@ -1,0 +1,182 @@
+"""CPU tests of fxfuse.swiglu: the Triton kernels run under the interpreter (TRITON_INTERPRET=1)."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from fxfuse.kernels import swiglu as S  # noqa: E402
+
+ACTS = ("silu", "gelu", "gelu_tanh")
+SHAPES = [(1, 7), (199, 33), (3, 5, 130), (4, 1100)]  # 1 row, odd rows, 3-D, I > BLOCK_N (2 col blocks)
+
+
+def op(gate, up, act):
+    return torch.ops.fxfuse.swiglu(gate, up, act)
+
+
+def eager(gate, up, act):
+    """What users write, in the inputs' dtype (two roundings in bf16)."""
+    if act == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh" if act == "gelu_tanh" else "none") * up
+
+
+def make(shape, dtype, layout, seed=0):
+    """gate, up leaves-or-views of `shape`, in one of three layouts, plus their leaves."""
+    gen = torch.Generator().manual_seed(seed)
+    *lead, i = shape
+    if layout == "chunked":  # gate_up.chunk(2, -1): row stride 2I, last dim contiguous
+        gu = (torch.randn(*lead, 2 * i, generator=gen) * 2).to(dtype).requires_grad_()
+        g, u = gu.chunk(2, dim=-1)
+        return g, u, (gu,)
+    g = (torch.randn(*shape, generator=gen) * 2).to(dtype)
+    u = torch.randn(*shape, generator=gen).to(dtype)
+    if layout == "transposed":  # last-dim stride != 1: the op must copy
+        g = g.transpose(-1, -2).contiguous().transpose(-1, -2)
+    g, u = g.requires_grad_(), u.requires_grad_()
+    return g, u, (g, u)
+
+
+def grads(fn, g, u, dout):
+    out = fn(g, u)
+    dg, du = torch.autograd.grad(out, (g, u), dout)
+    return out, dg, du
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "chunked", "transposed"])
+def test_fp32_matches_reference(act, shape, layout):
+    g, u, _ = make(shape, torch.float32, layout)
+    dout = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    out, dg, du = grads(lambda a, b: op(a, b, act), g, u, dout)
+    assert out.is_contiguous() and out.shape == g.shape and out.dtype == g.dtype
+    assert dg.shape == g.shape and du.shape == u.shape
+    ref = S._swiglu_reference(g.detach(), u.detach(), act)
+    rdg, rdu = S._swiglu_backward_reference(dout, g.detach(), u.detach(), act, True, True)
+    for x, r in ((out, ref), (dg, rdg), (du, rdu)):
+        assert rel_err(x, r) < 1e-5
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_reference_backward_matches_autograd(act):
+    """The hand-written act'(g) (shared with the kernel) against autograd of F.silu / F.gelu in fp64."""
+    g = (torch.randn(4097, dtype=torch.float64) * 4).requires_grad_()
+    (auto,) = torch.autograd.grad(S._act_ref(g, act).sum(), g)
+    assert rel_err(S._act_grad_ref(g.detach(), act), auto) < 1e-12
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("shape", [(199, 65), (2, 3, 1030)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_error_within_2x_eager(act, shape, dtype):
+    g, u, _ = make(shape, dtype, "chunked")
+    dout = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    g64 = g.detach().double().requires_grad_()
+    u64 = u.detach().double().requires_grad_()
+    ref = grads(lambda a, b: eager(a, b, act), g64, u64, dout.double())
+    got = grads(lambda a, b: op(a, b, act), g, u, dout)
+    base = grads(lambda a, b: eager(a, b, act), g, u, dout)
+    for x, e, r in zip(got, base, ref):
+        assert x.dtype == dtype
+        assert (x.double() - r).abs().max() <= 2 * (e.double() - r).abs().max()
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("frozen", ["gate", "up", "both"])
+def test_frozen_inputs(act, frozen):
+    g = torch.randn(5, 40, requires_grad=frozen != "gate")
+    u = torch.randn(5, 40, requires_grad=frozen != "up")
+    if frozen == "both":
+        g.requires_grad_(False), u.requires_grad_(False)
+        assert not op(g, u, act).requires_grad
+        return
+    dout = torch.randn(5, 40)
+    op(g, u, act).backward(dout)
+    rdg, rdu = S._swiglu_backward_reference(dout, g.detach(), u.detach(), act, True, True)
+    live, dead, ref = (u, g, rdu) if frozen == "gate" else (g, u, rdg)
+    assert dead.grad is None
+    assert rel_err(live.grad, ref) < 1e-5
+
+
+@pytest.mark.parametrize("need", [(True, False), (False, True)])
+def test_backward_op_skips_unneeded_grad(need):
+    g, u, d = torch.randn(3, 20), torch.randn(3, 20), torch.randn(3, 20)
+    dg, du = torch.ops.fxfuse.swiglu_backward(d, g, u, "silu", *need)
+    rdg, rdu = S._swiglu_backward_reference(d, g, u, "silu", True, True)
+    for flag, x, r in ((need[0], dg, rdg), (need[1], du, rdu)):
+        assert (rel_err(x, r) < 1e-5) if flag else (x.numel() == 0)
+
+
+def test_inputs_and_grad_output_not_mutated():
+    g, u, (gu,) = make((6, 50), torch.float32, "chunked")
+    dout = torch.randn(6, 50)
+    before = (gu.detach().clone(), dout.clone())
+    op(g, u, "gelu_tanh").backward(dout)
+    assert torch.equal(gu.detach(), before[0]) and torch.equal(dout, before[1])
+
+
+def test_bad_arguments():
+    g = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="silu.*gelu.*gelu_tanh"):
+        op(g, g, "relu")
+    with pytest.raises(ValueError):
+        op(g, g.double(), "silu")
+    with pytest.raises(ValueError):
+        op(g, torch.randn(2, 9), "silu")
+
+
+def test_empty():
+    g = torch.randn(0, 8, requires_grad=True)
+    out = op(g, g, "silu")
+    assert out.shape == (0, 8)
+    out.sum().backward()
+    assert g.grad.shape == (0, 8)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_opcheck(act):
+    g, u, _ = make((3, 24), torch.float32, "chunked")
+    torch.library.opcheck(torch.ops.fxfuse.swiglu, (g, u, act))
+    d = torch.randn(3, 24)
+    torch.library.opcheck(torch.ops.fxfuse.swiglu_backward, (d, g.detach(), u.detach(), act, True, False))
+
+
+def test_compile_dynamic_two_sizes():
+    """Compile axis: aot_eager with dynamic shapes, two sizes, parity with eager in fp32."""
+    torch._dynamo.reset()
+
+    def mlp_act(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.ops.fxfuse.swiglu(gate, up, "silu")
+
+    compiled = torch.compile(mlp_act, backend="aot_eager", dynamic=True)
+    for rows, i in ((5, 24), (9, 40)):
+        x = torch.randn(rows, 2 * i, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        dout = torch.randn(rows, i)
+        out = compiled(x)
+        out.backward(dout)
+        g, u = x_ref.chunk(2, dim=-1)
+        ref = F.silu(g) * u
+        ref.backward(dout)
+        assert rel_err(out, ref) < 1e-5 and rel_err(x.grad, x_ref.grad) < 1e-5
+
+
+def test_bench_byte_count():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_swiglu.py"
+    spec = importlib.util.spec_from_file_location("bench_swiglu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.swiglu_bytes(16384, 14336, 2) == 8 * 16384 * 14336 * 2
+    assert callable(mod.run) and callable(mod.add_args) and callable(mod.main)
