@@ -189,3 +189,15 @@ def test_compile_dynamic_two_sizes():
         ref = _grads(lambda x, w: rms_norm_reference(x, w, EPS, 0.0, True, x.dtype) * 2, x, w, dy)
         for a, b in zip(got, ref):
             assert a.shape == b.shape and _rel(a, b) < 1e-5
+
+
+def test_bench_byte_count():
+    """The benchmark imports on CPU, and its minimum byte count is x, y, dy, dx (bf16) + w read twice, dw."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_rms_norm.py")
+    spec = importlib.util.spec_from_file_location("bench_rms_norm", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.rms_norm_bytes(16384, 4096, torch.bfloat16) == 5 * 16384 * 4096 * 2 + 3 * 4096 * 2
+    assert bench.rms_norm_bytes(7, 40, torch.bfloat16, torch.float32) == 5 * 7 * 40 * 2 + 3 * 40 * 4
