@@ -22,17 +22,18 @@ Backward, with w_n = dloss/drow_n (grad / count or grad; 0 on ignored rows):
 Design: chunk rows into passes of R tokens and the vocabulary into chunks of C columns. Forward
 computes each [R, C] logits chunk with one cuBLAS matmul (fp32 output, so no bf16 rounding of
 logits) and a Triton kernel folds it into a running (max, sum-exp, target logit, logit sum) per
-row: 1 matmul of x @ W.T in total. Backward recomputes each chunk (matmul 2), a Triton kernel
-turns it into dzr in the input dtype, then dx_pass += dzr @ W_chunk (matmul 3, into an fp32
-[R, H] accumulator) and dW_chunk (+)= dzr.T @ x_pass (matmul 4, K = R tokens reduced in fp32
-inside cuBLAS, rounded to the weight dtype once per pass: once when N <= R). Four matmuls, not
-Liger's three: computing gradients in the forward needs either the whole [N, V] row block (lse
-must be final before dW can be formed) or token chunks whose dW read-modify-write over the whole
-[V, H] weight per chunk is memory bound. We take four big, well-shaped matmuls, an eval forward
-of one matmul, and fp32 dW accumulation; this misses the 34 ms goal at N=8192, H=4096,
-V=128256 by about the cost of one matmul (~11 ms) and meets the memory goal: peak extra is
-dW + dx + the fp32 dx accumulator of one pass (64 MiB) + one fp32 logits chunk and its
-gradient (24 MiB). Precision: logits, softmax and every matmul accumulate in fp32; dzr is
+row: 1 matmul of x @ W.T in total. Backward recomputes each chunk (matmul 2) and a Triton kernel
+writes dzr in the input dtype into a group buffer of G >= C columns; per group, dx_pass +=
+dzr @ W_group (matmul 3, into an fp32 [R, H] accumulator; a wide G keeps its read-modify-writes
+few) and dW_group (+)= dzr.T @ x_pass (matmul 4, K = R tokens reduced in fp32 inside cuBLAS,
+rounded to the weight dtype once per pass: once when N <= R). Four matmuls, not Liger's three:
+computing gradients in the forward needs either the whole [N, V] row block (lse must be final
+before dW can be formed) or token chunks whose dW read-modify-write over the whole [V, H] weight
+per chunk is memory bound. We take four big, well-shaped matmuls, an eval forward of one matmul
+and fp32 dW accumulation, so at N=8192, H=4096, V=128256 the 34 ms goal is missed by at least a
+matmul (~11 ms); peak extra memory is dW + dx + the fp32 dx accumulator of one pass (64 MiB)
++ one fp32 logits chunk (16 MiB) + one gradient group (24 MiB), 1.1x the dW + dx floor.
+Precision: logits, softmax and every matmul accumulate in fp32; dzr is
 rounded to the input dtype once (as eager rounds its logits' grad). With more than one pass
 (N > R = 4096 tokens at H = 4096) dW is rounded to bf16/fp16 once per pass: at 8 passes the
 fp16 test measures ~1.9x eager's dW error (the bound is 2x), so very long batches lose some.
@@ -47,7 +48,8 @@ from ._dispatch import use_triton
 
 _DX_ACC_BYTES = 64 << 20
 _LOGITS_BYTES = 16 << 20
-_CHUNK_OVERRIDE = None  # (rows, cols): tests force many small chunks
+_GRAD_BYTES = 24 << 20
+_CHUNK_OVERRIDE = None  # (rows, cols, group cols): tests force many small chunks
 
 
 @triton.jit
@@ -156,15 +158,29 @@ def _cols_per_chunk(rows: int, v: int) -> int:
     return min(v, max(128, (_LOGITS_BYTES // (4 * rows)) // 128 * 128))
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b [K, P] -> fp32 [M, P] with fp32 accumulation and no rounding to a's dtype."""
+def _cols_per_group(rows: int, cols: int, v: int, element_size: int) -> int:
+    # Vocab columns whose [R, G] logits-gradient buffer fits in 24 MiB, a multiple of cols: the
+    # dx matmul reduces over G, so a wide G means few read-modify-writes of the fp32 dx accumulator.
+    if _CHUNK_OVERRIDE is not None:
+        return _CHUNK_OVERRIDE[2]
+    return min(triton.cdiv(v, cols), max(1, _GRAD_BYTES // (element_size * rows * cols))) * cols
+
+
+def _view(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Contiguous [rows, cols] view of the start of a flat scratch buffer (reused across chunks)."""
+    return buf[: rows * cols].view(rows, cols)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out [M, P] fp32 = a [M, K] @ b [K, P], accumulated in fp32 with no rounding to a's dtype."""
     if a.dtype == torch.float32:
-        return a @ b
-    if a.is_cuda and hasattr(torch.ops.aten.mm, "dtype"):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    if a.is_cuda:
-        return (a @ b).float()  # torch < 2.8: cuBLAS rounds to a's dtype, as eager does
-    return a.float() @ b.float()
+        torch.mm(a, b, out=out)
+    elif a.is_cuda and hasattr(torch.ops.aten.mm, "dtype_out"):
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    elif a.is_cuda:
+        out.copy_(a @ b)  # torch < 2.8: cuBLAS rounds to a's dtype, as eager does
+    else:
+        torch.mm(a.float(), b.float(), out=out)
 
 
 def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -220,10 +236,13 @@ def linear_cross_entropy_fwd(
     state[0].fill_(float("-inf"))
     rows = _rows_per_pass(n, h)
     cols = _cols_per_chunk(rows, vocab)
+    zbuf = torch.empty(min(rows, n) * cols, device=x.device, dtype=torch.float32)
     for n0 in range(0, n, rows):
         xs = x[n0:n0 + rows]
         for v0 in range(0, vocab, cols):
-            z = _mm_f32(xs, weight[v0:v0 + cols].T)
+            wc = weight[v0:v0 + cols]
+            z = _view(zbuf, xs.shape[0], wc.shape[0])
+            _mm_f32(xs, wc.T, z)
             _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, logit_scale)
     lse = state[0] + state[1].log()
     eps = label_smoothing
@@ -254,23 +273,30 @@ def linear_cross_entropy_bwd(
     db = torch.zeros(vocab, device=x.device, dtype=torch.float32) if need_db else x.new_empty(0)
     rows = _rows_per_pass(n, h)
     cols = _cols_per_chunk(rows, vocab)
+    group = _cols_per_group(rows, cols, vocab, x.element_size())
+    zbuf = torch.empty(min(rows, n) * cols, device=x.device, dtype=torch.float32)
+    gbuf = torch.empty(min(rows, n) * group, device=x.device, dtype=x.dtype)
+    accbuf = torch.empty(min(rows, n) * h, device=x.device, dtype=torch.float32) if need_dx else None
     for n0 in range(0, n, rows):
         xs = x[n0:n0 + rows]
-        acc = torch.zeros(xs.shape[0], h, device=x.device, dtype=torch.float32) if need_dx else None
-        for v0 in range(0, vocab, cols):
-            wc = weight[v0:v0 + cols]
-            z = _mm_f32(xs, wc.T)
-            g = z if x.dtype == torch.float32 else torch.empty_like(z, dtype=x.dtype)
-            _bwd_chunk(z, g, bias, target, lse, drow, n0, v0, ignore_index, label_smoothing, vocab,
-                       softcap, logit_scale)
+        acc = _view(accbuf, xs.shape[0], h).zero_() if need_dx else None
+        for g0 in range(0, vocab, group):
+            wg = weight[g0:g0 + group]
+            g = _view(gbuf, xs.shape[0], wg.shape[0])
+            for v0 in range(g0, g0 + wg.shape[0], cols):
+                wc = weight[v0:min(v0 + cols, g0 + wg.shape[0])]
+                z = _view(zbuf, xs.shape[0], wc.shape[0])
+                _mm_f32(xs, wc.T, z)
+                _bwd_chunk(z, g[:, v0 - g0:v0 - g0 + wc.shape[0]], bias, target, lse, drow, n0, v0,
+                           ignore_index, label_smoothing, vocab, softcap, logit_scale)
             if need_dx:
-                _addmm_f32_(acc, g, wc)
+                _addmm_f32_(acc, g, wg)
             if need_dw and n0 == 0:
-                torch.mm(g.T, xs, out=dw[v0:v0 + cols])
+                torch.mm(g.T, xs, out=dw[g0:g0 + group])
             elif need_dw:
-                dw[v0:v0 + cols].addmm_(g.T, xs)
+                dw[g0:g0 + group].addmm_(g.T, xs)
             if need_db:
-                db[v0:v0 + cols] += g.sum(0, dtype=torch.float32)
+                db[g0:g0 + group] += g.sum(0, dtype=torch.float32)
         if need_dx:
             dx[n0:n0 + rows].copy_(acc)
     return dx, dw, db.to(bias.dtype) if need_db else db

@@ -15,8 +15,9 @@ OP = torch.ops.fxfuse.linear_cross_entropy
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    """16-row passes x 64-column chunks: N=37, V=211 runs 3 passes x 4 chunks (last ones ragged)."""
-    monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", (16, 64))
+    """16-row passes x 64-column logits chunks x 128-column gradient groups: N=37, V=211 runs
+    3 passes x 4 chunks in 2 groups (the last pass, chunk and group ragged)."""
+    monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", (16, 64, 128))
 
 
 def _inputs(n, h, v, dtype, bias=False, ignore_index=-100, logit_std=1.0, seed=0):
@@ -75,7 +76,7 @@ def test_fp32_parity(n, h, v, bias, ii, red, ls, cap, scale):
 def test_199_rows_reference_path(monkeypatch):
     """The PyTorch chunked fallback (no interpreter) on 199 rows, wider chunks."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", (50, 128))
+    monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", (50, 64, 192))
     x, w, b, t = _inputs(199, 24, 211, torch.float32, True, logit_std=3.0)
     args = (-100, "mean", 0.1, 4.0, 1.5)
     for g, r in zip(_fwd_bwd(OP, x, w, b, t, *args), _fwd_bwd(EAGER, x, w, b, t, *args)):
@@ -115,7 +116,7 @@ def test_bwd_skips_unneeded_grads():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("chunks", [(64, 128), (8, 128)], ids=["1pass", "8passes"])
+@pytest.mark.parametrize("chunks", [(64, 128, 256), (8, 128, 128)], ids=["1pass", "8passes"])
 def test_low_precision_vs_fp64(monkeypatch, dtype, chunks):
     """Error of loss and each grad vs an fp64 reference is <= 2x eager's own error in dtype.
     8passes: dW is rounded to dtype after each of 8 row passes (the bf16 accumulation cost)."""
@@ -141,10 +142,9 @@ def test_never_allocates_n_by_v(monkeypatch):
     shapes = []
     mm = lce._mm_f32
 
-    def spy(a, b):
-        out = mm(a, b)
+    def spy(a, b, out):
+        mm(a, b, out)
         shapes.append(tuple(out.shape))
-        return out
 
     monkeypatch.setattr(lce, "_mm_f32", spy)
     x, w, b, t = _inputs(37, 24, 211, torch.float32)
@@ -155,9 +155,11 @@ def test_never_allocates_n_by_v(monkeypatch):
 def test_chunk_plan_budgets(monkeypatch):
     monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", None)
     rows, cols = lce._rows_per_pass(8192, 4096), lce._cols_per_chunk(4096, 128256)
-    assert (rows, cols) == (4096, 1024)
-    assert rows * 4096 * 4 <= 64 << 20 and rows * cols * 4 <= 16 << 20
+    group = lce._cols_per_group(rows, cols, 128256, 2)
+    assert (rows, cols, group) == (4096, 1024, 3072)
+    assert rows * 4096 * 4 <= 64 << 20 and rows * cols * 4 <= 16 << 20 and rows * group * 2 <= 24 << 20
     assert lce._rows_per_pass(37, 24) == 37 and lce._cols_per_chunk(37, 211) == 211
+    assert lce._cols_per_group(37, 211, 211, 4) == 211
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -186,7 +188,7 @@ def test_compile_axis():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_bf16_vs_fp64(monkeypatch):
     """The CUDA path (cuBLAS fp32-output chunks + compiled kernels) at a shape with several passes."""
-    monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", (512, 1024))
+    monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", (512, 1024, 2048))
     x, w, b, t = (a.cuda() if a is not None else None
                   for a in _inputs(2000, 512, 5000, torch.bfloat16, True, logit_std=4.0))
     args = (-100, "mean", 0.1, 30.0, 1.0)
