@@ -118,6 +118,12 @@ def _is_divisor_sqrt(n) -> bool:
     return user.target == aten.div.Tensor and user.args[1] is n and user.args[0] is not n
 
 
+def static_int(s) -> int | None:
+    """s as a Python int if it is one, else None. Never guards on a symbolic size (int() would
+    specialise it and make Dynamo recompile for every sequence length)."""
+    return s if isinstance(s, int) else None
+
+
 def _summed_numel(sum_node: fx.Node) -> int | None:
     x = val(sum_node.args[0])
     if x is None:
@@ -125,10 +131,8 @@ def _summed_numel(sum_node: fx.Node) -> int | None:
     dims = sum_node.args[1] if len(sum_node.args) > 1 else None
     if not dims:
         return None
-    try:
-        return math.prod(int(x.shape[d]) for d in dims)
-    except (TypeError, ValueError):  # symbolic size: leave it a sum
-        return None
+    sizes = [static_int(x.shape[d]) for d in dims]
+    return None if None in sizes else math.prod(sizes)
 
 
 def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict[fx.Node, fx.Node]]:

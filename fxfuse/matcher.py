@@ -109,11 +109,12 @@ class GraphMatcher:
             if mi.region & claimed:
                 mi.reason += "; a smaller spelling inside it was fused instead"
         covered = set().union(claimed, *(mi.region for mi in live))
-        for name, vn in self.vnodes.items():
+        for name in self.vnodes:
             node = self.nodes[name]
-            if vn.label in pattern.seeds and node not in covered:
-                live.append(Miss(node, "", f"looks like {pattern.name} ({vn.label.split('.')[-2]}) but no "
-                                 f"variant matched how it is written", 0, {node}))
+            if node not in covered and node.op == "call_function" and pattern.is_candidate(node):
+                op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+                live.append(Miss(node, "", f"looks like {pattern.name} ({op}) but no variant matched how "
+                                 "it is written", 0, {node}))
         matches.sort(key=lambda m: self.order[m.anchor])
         return matches, live
 

@@ -18,13 +18,21 @@ from torch.fx.experimental.proxy_tensor import make_fx
 _DYNAMO_GM_ATTRS = ("_param_name_to_source",)
 
 
-def _fakify(example_inputs, fake_mode):
+def _fakify(gm: fx.GraphModule, example_inputs, fake_mode):
+    """Fake copies of the real example inputs in Dynamo's fake mode, with Dynamo's symbolic sizes.
+    An unspecialised Python float (dynamic=True) arrives as a 0-d tensor that the graph reads with
+    .item(): its fake copy gets the SymFloat Dynamo traced (item_memo), or make_fx cannot read it."""
     ctx = TracingContext.try_get()
     contexts = ctx.tensor_to_context if ctx is not None else {}
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out = []
-    for x in example_inputs:
+    for i, x in enumerate(example_inputs):
         if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor):
-            out.append(fake_mode.from_tensor(x, symbolic_context=contexts.get(x)))
+            fake = fake_mode.from_tensor(x, symbolic_context=contexts.get(x))
+            dynamo_val = phs[i].meta.get("example_value") if i < len(phs) else None
+            if getattr(dynamo_val, "item_memo", None) is not None and fake.item_memo is None:
+                fake.item_memo = dynamo_val.item_memo
+            out.append(fake)
         else:
             out.append(x)
     return out
@@ -33,7 +41,7 @@ def _fakify(example_inputs, fake_mode):
 def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     """Re-trace Dynamo's graph to pre-dispatch ATen; keeps Dynamo's graph and placeholder metadata."""
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = _fakify(example_inputs, fake_mode)
+    fakes = _fakify(gm, example_inputs, fake_mode)
 
     def run(*args):
         return fx.Interpreter(gm).run(*args)

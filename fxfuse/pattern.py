@@ -53,7 +53,8 @@ class Pattern:
     dtypes: tuple[dict[str, torch.dtype], ...]  # dtype sets to trace each variant with
     check: Callable[[Any], str | None]  # Match -> None (accept) or the reason it is not fused
     lower: Callable[[Any, fx.Graph], fx.Node]  # emit the fused call before the anchor; return it
-    seeds: frozenset[str] = frozenset()  # view labels that mark a candidate site if left unmatched
+    # FX node -> True if it marks a candidate site (reported as unmatched when no match covers it)
+    is_candidate: Callable[[fx.Node], bool] = lambda n: False
     saved: Callable[[Any], str] = lambda m: ""  # what the fusion stops writing, for the report
 
     def __hash__(self):

@@ -18,6 +18,14 @@ def _site(pattern: str, anchor: fx.Node, variant: str, **kw) -> Site:
     return Site(pattern=pattern, module=module_path(anchor), source=source_line(anchor), variant=variant, **kw)
 
 
+def _hint(s) -> int:
+    """A size's value at the example inputs, without guarding on it (no specialisation)."""
+    if isinstance(s, torch.SymInt):
+        hint = s.node.hint
+        return int(hint) if hint is not None else 0
+    return int(s)
+
+
 def saved_bytes(m: Match) -> tuple[int, list[str]]:
     """Intermediates inside the match that the fused op no longer writes: bytes per call, and which."""
     total, names = 0, []
@@ -26,11 +34,7 @@ def saved_bytes(m: Match) -> tuple[int, list[str]]:
         if n is m.anchor or v is None or n.target is torch.ops.aten.view.default or (
                 n.target in CASTS and is_noop_cast(n)):
             continue
-        try:
-            b = math.prod(int(s) for s in v.shape) * v.element_size()
-        except (TypeError, ValueError):  # symbolic size: count the tensor, not its bytes
-            b = 0
-        total += b
+        total += math.prod(_hint(s) for s in v.shape) * v.element_size()
         names.append(f"{n.name}:{str(v.dtype).removeprefix('torch.')}{list(v.shape)}")
     return total, names
 

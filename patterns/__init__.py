@@ -4,6 +4,6 @@ from __future__ import annotations
 
 def all_patterns():
     """Every pattern fxfuse knows, in the order they are rewritten."""
-    from . import rms_norm
+    from . import rms_norm, swiglu
 
-    return (rms_norm.PATTERN,)
+    return (rms_norm.PATTERN, swiglu.PATTERN)

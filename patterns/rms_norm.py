@@ -111,5 +111,5 @@ PATTERN = Pattern(
     dtypes=({"x": _bf, "w": _bf}, {"x": _f32, "w": _f32}, {"x": _bf, "w": _f32}),
     check=check,
     lower=lower,
-    seeds=frozenset({str(torch.ops.aten.rsqrt.default), str(torch.ops.aten.rms_norm.default)}),
+    is_candidate=lambda n: n.target in (torch.ops.aten.rsqrt.default, torch.ops.aten.rms_norm.default),
 )

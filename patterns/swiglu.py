@@ -1,0 +1,76 @@
+"""Gated-MLP activation: ``act(gate) * up`` with act silu / gelu / gelu-tanh.
+
+The fused op covers the activation and the product, not the matmuls: gate and up may come from two
+linears, from one fused linear split by ``chunk`` / ``split`` / slicing (Phi-3's gate_up_proj, in
+either order: ``*`` is commutative in the canonical view), or from anything else of the same shape.
+One site is one gated-MLP activation.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from fxfuse.canon import val
+from fxfuse.pattern import Pattern, Variant
+
+SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def swiglu_silu(gate, up):
+    """HF Llama / Mistral / Qwen2 / Phi-3 / Mixtral experts: ``act_fn(gate_proj(x)) * up_proj(x)``."""
+    return F.silu(gate) * up
+
+
+def swiglu_sigmoid(gate, up):
+    """SiLU spelled out, as hand-written models do: ``x * sigmoid(x)``."""
+    return gate * torch.sigmoid(gate) * up
+
+
+def geglu_tanh(gate, up):
+    """Gemma / Gemma 2 (``gelu_pytorch_tanh``): GeGLU with the tanh approximation."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def geglu(gate, up):
+    """GeGLU with the exact (erf) GELU."""
+    return F.gelu(gate) * up
+
+
+def check(m) -> str | None:
+    g, u, out = val(m.inputs["gate"]), val(m.inputs["up"]), val(m.anchor)
+    if g is None or u is None or out is None:
+        return "no shape/dtype information on the inputs"
+    if g.shape != u.shape:
+        return f"gate {list(g.shape)} and up {list(u.shape)} differ in shape (broadcast product, not a gated MLP)"
+    if g.dtype != u.dtype or out.dtype != g.dtype:
+        return f"mixed dtypes gate {g.dtype}, up {u.dtype}, out {out.dtype}"
+    if g.dtype not in SUPPORTED:
+        return f"dtype {g.dtype} not supported (float32, bfloat16, float16)"
+    if g.device.type not in ("cuda", "cpu"):
+        return f"device {g.device} not supported"
+    return None
+
+
+def lower(m, graph: fx.Graph) -> fx.Node:
+    import fxfuse.kernels.swiglu  # noqa: F401  registers torch.ops.fxfuse.swiglu
+
+    return graph.call_function(torch.ops.fxfuse.swiglu.default, (m.inputs["gate"], m.inputs["up"], m.consts["act"]))
+
+
+_ACTS = (torch.ops.aten.silu.default, torch.ops.aten.gelu.default, torch.ops.aten.sigmoid.default)
+_bf, _f32 = torch.bfloat16, torch.float32
+PATTERN = Pattern(
+    name="swiglu",
+    variants=(
+        Variant(swiglu_silu, {"act": "silu"}),
+        Variant(swiglu_sigmoid, {"act": "silu"}),
+        Variant(geglu_tanh, {"act": "gelu_tanh"}),
+        Variant(geglu, {"act": "gelu"}),
+    ),
+    shapes={"gate": (2, 3, 22), "up": (2, 3, 22)},
+    dtypes=({"gate": _bf, "up": _bf}, {"gate": _f32, "up": _f32}),
+    check=check,
+    lower=lower,
+    is_candidate=lambda n: n.target in _ACTS and any(u.target == torch.ops.aten.mul.Tensor for u in n.users),
+)

@@ -1,0 +1,170 @@
+"""The backend's contract: entry point, options, dynamic shapes, inference, frozen weights, autocast,
+bf16 accuracy, fail-safe, report and debug dumps."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fxfuse
+from helpers import batch, compiled_parity, count_calls, hf_model, is_rms_norm, loss_and_grads, rel_err
+
+
+def test_entry_point_without_import():
+    code = (
+        "import sys, torch\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8))\n"
+        "x = torch.randn(3, 8)\n"
+        "assert 'fxfuse' not in sys.modules\n"
+        "out = torch.compile(m, backend='fxfuse', options={'inner': 'eager'})(x)\n"
+        "torch.testing.assert_close(out, m(x))\n"
+        "import fxfuse\n"
+        "print(fxfuse.last_report().counts()['rms_norm'])\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "1"
+
+
+def test_unknown_option_lists_valid_ones():
+    m = torch.nn.Linear(4, 4)
+    with pytest.raises(Exception, match="unknown option.*'bogus'[\\s\\S]*inner[\\s\\S]*patterns[\\s\\S]*debug_dir"):
+        torch.compile(m, backend="fxfuse", options={"bogus": 1})(torch.randn(2, 4))
+    with pytest.raises(Exception, match="'inner' must be one of"):
+        torch.compile(m, backend="fxfuse", options={"inner": "tvm"})(torch.randn(2, 4))
+    with pytest.raises(Exception, match="unknown pattern"):
+        torch.compile(m, backend="fxfuse", options={"patterns": ["layer_norm"]})(torch.randn(2, 4))
+
+
+def test_patterns_option_turns_fusion_off():
+    model = hf_model("llama", num_hidden_layers=1)
+    compiled = torch.compile(model, backend="fxfuse", options={"inner": "eager", "patterns": []})
+    compiled(**batch())
+    assert fxfuse.last_report().counts()["rms_norm"] == 0
+
+
+def test_dynamic_shapes_one_compile_across_lengths():
+    model = hf_model("llama")
+    compiled = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"}, dynamic=True)
+    seen = []
+    for t in (9, 13, 21):
+        inputs = batch(t=t)
+        ref_loss, ref_grads = loss_and_grads(model, inputs)
+        loss, grads = loss_and_grads(model, inputs, call=compiled)
+        assert rel_err(loss, ref_loss) < 1e-5
+        assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 1e-5
+        seen.append(len(fxfuse.compiled_reports()))
+    assert seen[0] == seen[1] == seen[2], "the backend compiled again for a new sequence length"
+    assert fxfuse.last_report().counts()["rms_norm"] == count_calls(model, is_rms_norm, **batch())
+
+
+def test_inference_under_no_grad():
+    model = hf_model("qwen2").eval()
+    inputs = {"input_ids": batch()["input_ids"]}
+    compiled = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})
+    with torch.no_grad():
+        ref = model(**inputs).logits
+        out = compiled(**inputs).logits
+    assert fxfuse.last_report().counts()["rms_norm"] == count_calls(model, is_rms_norm, **inputs)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_frozen_norm_weights():
+    model = hf_model("llama")
+    for name, p in model.named_parameters():
+        p.requires_grad_("norm" not in name)
+    loss_err, grad_err, report, names = compiled_parity(model, batch())
+    assert not [n for n in names if "norm" in n]
+    assert report.counts()["rms_norm"] == count_calls(model, is_rms_norm, **batch())
+    assert loss_err < 1e-5 and grad_err < 1e-5
+
+
+def _flat_grads(grads):
+    return torch.cat([grads[k].double().flatten() for k in sorted(grads)])
+
+
+def _bf16_errors(make_model, inputs, autocast: bool):
+    """(eager error, fxfuse error) of loss and of all gradients against the fp32 eager reference."""
+    ref_loss, ref_grads = loss_and_grads(make_model(torch.float32), inputs)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else torch.enable_grad
+    eager = make_model(dtype)
+    with ctx():
+        e_loss, e_grads = loss_and_grads(eager, inputs)
+    mine = make_model(dtype)
+    compiled = torch.compile(mine, backend="fxfuse", options={"inner": "aot_eager"})
+    with ctx():
+        f_loss, f_grads = loss_and_grads(mine, inputs, call=compiled)
+    ref, e, f = _flat_grads(ref_grads), _flat_grads(e_grads), _flat_grads(f_grads)
+    return (rel_err(e_loss, ref_loss), rel_err(e, ref)), (rel_err(f_loss, ref_loss), rel_err(f, ref))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16_weights", "bf16_autocast"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma"])
+def test_bf16_within_twice_eager_error(model_type, autocast):
+    inputs = batch()
+    (e_loss, e_grad), (f_loss, f_grad) = _bf16_errors(lambda dt: hf_model(model_type, dtype=dt), inputs, autocast)
+    assert fxfuse.last_report().counts()["rms_norm"] == count_calls(hf_model(model_type), is_rms_norm, **inputs)
+    assert f_loss <= 2 * e_loss and f_grad <= 2 * e_grad, ((e_loss, e_grad), (f_loss, f_grad))
+
+
+def test_unsupported_dtype_stays_unfused_and_correct():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8)).double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    out = torch.compile(model, backend="fxfuse", options={"inner": "eager"})(x)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    report = fxfuse.last_report()
+    assert report.counts()["rms_norm"] == 0
+    assert any("float64 not supported" in s.reason for s in report.unmatched)
+
+
+def test_lowering_error_is_fail_safe():
+    from fxfuse.patterns import rms_norm
+
+    def broken(m, graph):
+        graph.call_function(torch.ops.aten.neg.default, (m.inputs["x"],))  # partial work is rolled back
+        raise RuntimeError("kernel says no")
+
+    object.__setattr__(rms_norm.PATTERN, "lower", broken)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8))
+        x = torch.randn(3, 8)
+        out = torch.compile(model, backend="fxfuse", options={"inner": "eager"})(x)
+    finally:
+        object.__setattr__(rms_norm.PATTERN, "lower", rms_norm.lower)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    (site,) = fxfuse.last_report().unmatched
+    assert "lowering failed: RuntimeError: kernel says no" in site.reason
+
+
+def test_report_text_json_and_debug_dump(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXFUSE_DEBUG_DIR", str(tmp_path))
+    model = hf_model("llama", num_hidden_layers=1)
+    torch.compile(model, backend="fxfuse", options={"inner": "eager"})(**batch())
+    report = fxfuse.last_report()
+    data = json.loads(report.to_json())
+    assert data["counts"]["rms_norm"] == 3 == len(data["matched"])
+    assert {"pattern", "module", "source", "variant", "saved_tensors"} <= set(data["matched"][0])
+    text = str(report)
+    assert "model.layers.0.input_layernorm" in text and "rmsnorm_llama" in text
+    (stem,) = {f.split(".")[0] for f in os.listdir(tmp_path)}  # one compiled graph, one dump
+    files = set(os.listdir(tmp_path))
+    assert {f"{stem}.json", f"{stem}.txt", f"{stem}.before.py", f"{stem}.after.py"} <= files, files
+    assert "torch.ops.fxfuse.rms_norm" in (tmp_path / f"{stem}.after.py").read_text()
+    assert "torch.ops.fxfuse.rms_norm" not in (tmp_path / f"{stem}.before.py").read_text()
+    assert json.loads((tmp_path / f"{stem}.json").read_text())["counts"] == data["counts"]
+
+
+def test_debug_dump_draws_unmatched_candidates(tmp_path):
+    class Shared(torch.nn.Module):
+        def forward(self, x):
+            v = x.pow(2).mean(-1, keepdim=True)
+            return (x * torch.rsqrt(v + 1e-6)).sum() + v.sum()
+
+    report = fxfuse.explain(Shared(), torch.randn(3, 8), fxfuse_options={"debug_dir": str(tmp_path)})
+    assert len(report.unmatched) == 1
+    (dot_file,) = tmp_path.glob("*.unmatched0.dot")
+    dot = dot_file.read_text()
+    assert dot.startswith("digraph") and "also used outside" in dot and "(outside)" in dot
