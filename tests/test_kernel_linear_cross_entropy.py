@@ -1,8 +1,10 @@
 """Tests of fxfuse.linear_cross_entropy: the Triton path under the interpreter (CPU), forced into
-many small row passes and vocab chunks, against eager linear + F.cross_entropy."""
+many small row passes and vocab chunks, against eager linear + F.cross_entropy.
+FXFUSE_TEST_DEVICE=cuda (as tests/conftest.py) leaves the interpreter off for the gpu test."""
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("FXFUSE_TEST_DEVICE", "cpu") != "cuda":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
