@@ -82,6 +82,14 @@ def _fwd_bwd(fn, q, k, cos, sin, gq, gk):
     return qo, ko, dq, dk
 
 
+def _kernels_only(q, k, cos, sin, gq, gk):
+    """fxfuse's two launches (forward, backward) without custom-op dispatch or autograd."""
+    from fxfuse.kernels.rope import _launch
+
+    _launch(q.detach(), k.detach(), cos, sin, False, cos.shape[-1], backward=False)
+    return _launch(gq, gk, cos, sin, False, cos.shape[-1], backward=True)
+
+
 def run(args) -> list[Row]:
     dtype = DTYPES[args.dtype]
     q, k, cos, sin, gq, gk = _inputs(args, dtype)
@@ -105,6 +113,11 @@ def run(args) -> list[Row]:
         ms = bench_ms(step)
         gbps = nbytes / ms / 1e6
         rows.append(Row(case, name, ms, gbps, 100 * gbps / ceiling, peak_extra_mib(step), err))
+    if "fxfuse" in args.providers:  # how much of fxfuse's time is host overhead (dispatch, autograd)
+        ms = bench_ms(lambda: _kernels_only(q, k, cos, sin, gq, gk))
+        gbps = nbytes / ms / 1e6
+        rows.append(Row(case, "fxfuse-k", ms, gbps, 100 * gbps / ceiling,
+                        note="fxfuse kernels only: no custom-op dispatch, no autograd"))
     rows.append(Row(case, "copy", None, ceiling, 100.0, note=f"ceiling; {nbytes / 1e6:.0f} MB moved"))
     return rows
 

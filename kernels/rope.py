@@ -134,13 +134,13 @@ def _rope_kernel(
 
 
 def _rows_per_tile(m: int, block_d: int) -> int:
-    """Rows per loop step: all rows of a position up to ~4096 elements, enough loads in flight."""
-    return max(1, min(triton.next_power_of_2(max(m, 1)), 4096 // block_d))
+    """Rows per loop step: ~1024-element tiles (H200 sweep: small tiles, many resident programs)."""
+    return max(1, min(triton.next_power_of_2(max(m, 1)), 1024 // block_d))
 
 
 def _num_warps(block_d: int) -> int:
-    """4 warps cover a 4096-element tile at 8 bf16 (16 bytes) per thread and access."""
-    return 4 if block_d <= 512 else 8
+    """2 warps: 64 threads x 16 elements (two 16-byte bf16 vectors) cover a 1024-element tile."""
+    return max(2, min(8, block_d // 512))
 
 
 def _rne_by_hand(device: torch.device) -> bool:
