@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every kernel benchmark in one device call (eager / inductor / liger / fxfuse side by side).
 #   on the device, from the repo root, with the liger-kernel wheel carried in .whl/:
-#   bash bench/run_all.sh            # logs under $OUT (or ./bench_logs)
+#   bash bench/run_all.sh                          # every benchmark; logs under $OUT (or ./bench_logs)
+#   bash bench/run_all.sh rms_norm swiglu          # only these (BENCH_TIMEOUT=seconds per script)
 # fxfuse is installed into /tmp/site (not editable: the image has no network for build deps) and
 # scripts run by path, so the repo's fxfuse/ folder never shadows the installed package.
 set -u
@@ -16,9 +17,10 @@ cd /tmp
   date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton, liger_kernel, importlib.metadata as m; print('torch', torch.__version__, 'triton', triton.__version__, 'liger', m.version('liger-kernel'))"
 } 2>&1 | tee "$out/env.log"
-run() { local name=$1; shift; echo "== $name $*"; timeout 240 python3 "$repo/bench/$name.py" "$@" 2>&1 | tee -a "$out/$name.log" | grep -v Warning; }
-run bench_rms_norm --cuda-graph
-run bench_swiglu
-run bench_swiglu --act gelu_tanh
-run bench_rope
-run bench_linear_cross_entropy
+run() { local name=$1; shift; echo "== $name $*"; timeout "${BENCH_TIMEOUT:-240}" python3 "$repo/bench/bench_$name.py" "$@" 2>&1 | tee -a "$out/bench_$name.log" | grep -v Warning; }
+sel=("$@")
+has() { [ ${#sel[@]} -eq 0 ] || [[ " ${sel[*]} " == *" $1 "* ]]; }
+has rms_norm && run rms_norm --cuda-graph
+has swiglu && run swiglu
+has rope && run rope
+has linear_cross_entropy && run linear_cross_entropy
