@@ -11,7 +11,7 @@ Rules (user spelling -> canonical label):
   - ``mul(a, a)`` -> ``pow(a, 2)``;  ``pow(a, -0.5)`` -> ``rsqrt(a)``;
     ``div(a, sqrt(b))`` -> ``mul(a, rsqrt(b))`` (the sqrt has no other user).
   - ``div(sum(a, dims, keepdim), N)`` with N the number of summed elements -> ``mean(a, dims, keepdim)``.
-  - reduction dims and ``rms_norm``'s normalized_shape are written as negative dims.
+  - size-dependent literals (dims, slice bounds, reshape targets) are size-relative (shapes.py).
   - ``add`` and ``mul`` are commutative: their two tensor operands match in either order.
 """
 from __future__ import annotations
@@ -24,6 +24,8 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from .shapes import _neg, shape_literals
+
 aten = torch.ops.aten
 
 CASTS = {
@@ -31,8 +33,6 @@ CASTS = {
     aten._to_copy.default, aten.type_as.default,
 }
 COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
-# op -> index of its dims argument, rewritten as negative dims of the first input
-DIM_ARGS = {aten.mean.dim: 1, aten.sum.dim_IntList: 1, aten.amax.default: 1}
 
 
 @dataclass
@@ -58,14 +58,6 @@ def dtype_class(dt: torch.dtype) -> str:
 def is_noop_cast(n: fx.Node) -> bool:
     src, out = val(n.args[0]), val(n)
     return src is not None and out is not None and src.dtype == out.dtype and src.device == out.device
-
-
-def _neg_dims(dims, rank: int):
-    if isinstance(dims, int):
-        return dims - rank if dims >= 0 else dims
-    if isinstance(dims, (list, tuple)):
-        return tuple(d - rank if isinstance(d, int) and d >= 0 else d for d in dims)
-    return dims
 
 
 def _lit(a):
@@ -197,13 +189,9 @@ def _canon(n: fx.Node):
             and len(n.args[0].users) == 1 and _summed_numel(n.args[0]) == n.args[1]:
         s = n.args[0]
         x = val(s.args[0])
-        dims = _neg_dims(s.args[1], x.dim())
+        dims = _neg(s.args[1], x.dim())
         keep = s.args[2] if len(s.args) > 2 else s.kwargs.get("keepdim", False)
         return str(aten.mean.dim), (None, dims, keep), [("0", s.args[0])], [s, n]
     args, kwargs = _with_defaults(n)
     lits = [_lit(a) for a in args] + [(k, _lit(v)) for k, v in sorted(kwargs.items())]
-    if t in DIM_ARGS and val(n.args[0]) is not None and len(lits) > DIM_ARGS[t]:
-        lits[DIM_ARGS[t]] = _neg_dims(lits[DIM_ARGS[t]], val(n.args[0]).dim())
-    if t == aten.rms_norm.default:
-        lits[1] = tuple(range(-len(n.args[1]), 0))
-    return str(t), tuple(lits), _tensor_args(n), [n]
+    return str(t), tuple(shape_literals(n, lits)), _tensor_args(n), [n]

@@ -1,0 +1,92 @@
+"""Shape-relative literals for the canonical view, so one traced pattern matches every size.
+
+A pattern is traced once at example sizes; the user's graph has its own. Literals that depend on
+sizes are rewritten relative to the tensors they apply to:
+  - dims become negative (``mean(x, [2])`` on a rank-3 x reads as ``mean(x, [-1])``);
+  - slice bounds become fractions of the sliced dim (``x[..., :D//2]`` reads start 0, end 1/2);
+  - reshape / view targets become (input tail, output tail) after dropping the dims the two shapes
+    share at the front, with every size other than 1 and 2 written as a fraction of the input
+    tail's element count (``[B, T, H, D] -> [B, T, H, D/2, 2]`` reads ((1,), (1/2, 2))).
+Symbolic sizes are never compared or converted (that would specialise them).
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import torch
+
+aten = torch.ops.aten
+
+# op -> (index of its dim argument(s), which rank they count against: input, output or list element)
+DIM_ARGS = {
+    aten.mean.dim: (1, "in"), aten.sum.dim_IntList: (1, "in"), aten.amax.default: (1, "in"),
+    aten.select.int: (1, "in"), aten.squeeze.dim: (1, "in"), aten.chunk.default: (2, "in"),
+    aten.split.Tensor: (2, "in"), aten.split_with_sizes.default: (2, "in"),
+    aten.flatten.using_ints: ((1, 2), "in"), aten.transpose.int: ((1, 2), "in"),
+    aten.unsqueeze.default: (1, "out"), aten.stack.default: (1, "out"), aten.cat.default: (1, "list"),
+    aten.softmax.int: (1, "in"), aten._softmax.default: (1, "in"), aten.log_softmax.int: (1, "in"),
+}
+RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _rank(n, where: str) -> int | None:
+    from .canon import val
+
+    src = n if where == "out" else (n.args[0][0] if where == "list" else n.args[0])
+    v = val(src)
+    return v.dim() if v is not None else None
+
+
+def _neg(d, rank: int):
+    if isinstance(d, int):
+        return d - rank if d >= 0 else d
+    if isinstance(d, (list, tuple)):
+        return tuple(_neg(x, rank) for x in d)
+    return d
+
+
+def _frac(bound, size):
+    if not isinstance(bound, int) or not isinstance(size, int) or size == 0:
+        return bound
+    if bound < 0:
+        bound += size
+    return Fraction(min(max(bound, 0), size), size)
+
+
+def _rel_shape(src, out):
+    """(input tail, output tail) after the shared leading dims, sizes as fractions (see module doc)."""
+    if not all(isinstance(s, int) for s in (*src, *out)):
+        return "symbolic"
+    i = 0
+    while i < min(len(src), len(out)) and src[i] == out[i]:
+        i += 1
+    tin, tout = tuple(src[i:]), tuple(out[i:])
+    total = math.prod(tin) or 1
+    rel = lambda t: tuple(s if s in (1, 2) else Fraction(s, total) for s in t)  # noqa: E731
+    return rel(tin), rel(tout)
+
+
+def shape_literals(n, lits: list) -> list:
+    """lits (n's canonical literal arguments) with size-dependent entries made size-relative."""
+    from .canon import val
+
+    t = n.target
+    if t in DIM_ARGS:
+        idx, where = DIM_ARGS[t]
+        rank = _rank(n, where)
+        if rank is not None:
+            for i in (idx if isinstance(idx, tuple) else (idx,)):
+                if i < len(lits):
+                    lits[i] = _neg(lits[i], rank)
+    elif t == aten.slice.Tensor and val(n.args[0]) is not None:
+        x = val(n.args[0])
+        dim = lits[1] if lits[1] >= 0 else lits[1] + x.dim()
+        size = x.shape[dim]
+        lits[1] = dim - x.dim()
+        lits[2], lits[3] = _frac(lits[2], size), _frac(lits[3], size)
+    elif t in RESHAPES and val(n.args[0]) is not None and val(n) is not None:
+        lits[1] = _rel_shape(tuple(val(n.args[0]).shape), tuple(val(n).shape))
+    elif t == aten.rms_norm.default:
+        lits[1] = tuple(range(-len(n.args[1]), 0))
+    return lits
