@@ -47,6 +47,24 @@ def val(n) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def requires_grad(n) -> bool:
+    """Whether n's value depends on an input that requires grad (fake values in the traced graph do
+    not carry requires_grad). Placeholders are marked by normalize.to_aten; the rest of the graph
+    is marked in one forward pass on first use."""
+    if not isinstance(n, fx.Node):
+        return False
+    if "fxfuse_requires_grad" not in n.meta:
+        for m in n.graph.nodes:
+            if "fxfuse_requires_grad" in m.meta:
+                continue
+            v = val(m)
+            m.meta["fxfuse_requires_grad"] = (
+                m.op == "call_function" and m.target not in (aten.detach.default, aten.alias.default)
+                and (v is None or v.is_floating_point() or v.is_complex())
+                and any(a.meta.get("fxfuse_requires_grad", False) for a in m.all_input_nodes))
+    return n.meta["fxfuse_requires_grad"]
+
+
 def dtype_class(dt: torch.dtype) -> str:
     if dt == torch.float32:
         return "f32"

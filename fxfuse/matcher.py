@@ -17,7 +17,7 @@ import torch.fx as fx
 from networkx.algorithms.isomorphism import MultiDiGraphMatcher
 
 from .canon import VNode, build_view
-from .pattern import SENTINELS, Pattern, PatternGraph, Variant, is_sentinel, trace_variant
+from .pattern import Free, Pattern, PatternGraph, Variant, is_sentinel, trace_variant
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Match:
     inputs: dict[str, fx.Node]  # tensor parameter name -> user node bound to it
     scalars: dict[str, Any]  # captured float parameter name -> literal in the user's graph
     region: set[fx.Node] = field(default_factory=set)  # FX nodes computed inside the match
+    escapes: list[fx.Node] = field(default_factory=list)  # region nodes also used outside (may_escape)
 
     @property
     def consts(self) -> dict:
@@ -44,7 +45,11 @@ class Miss:
 
 
 def _lits_match(p, t) -> bool:
+    if isinstance(p, Free):
+        return True
     if is_sentinel(p):
+        if isinstance(p, int):
+            return isinstance(t, int) and not isinstance(t, bool)
         return t is None or isinstance(t, (int, float)) and not isinstance(t, bool)
     if isinstance(p, tuple) and isinstance(t, tuple):
         return len(p) == len(t) and all(_lits_match(a, b) for a, b in zip(p, t))
@@ -149,15 +154,17 @@ class GraphMatcher:
                 first_reason = first_reason or "captured literals differ between uses"
                 continue
             inputs = {pg.wildcards[p]: self.nodes[g] for g, p in mapping.items() if p in pg.wildcards}
-            escaping = [n for n in region if n is not out and any(u not in region for u in n.users)]
+            outside = [n for n in region if n is not out and any(u not in region for u in n.users)]
+            escapes = [n for n in outside if pattern.may_escape(n, [u for u in n.users if u not in region])]
+            escaping = [n for n in outside if n not in escapes]
             if escaping:
                 first_reason = first_reason or (
                     f"intermediate {escaping[0].name} ({escaping[0].target}) is also used outside the "
                     f"{pattern.name} site by {', '.join(u.name for u in escaping[0].users if u not in region)}; "
                     "fusing would recompute or drop it")
                 continue
-            scalars = {pg.scalars[SENTINELS.index(s)]: v for s, v in binds.items()}
-            return Match(pattern, pg.variant, out, inputs, scalars, region), None, region
+            scalars = {s.name if isinstance(s, Free) else pg.scalars[s]: v for s, v in binds.items()}
+            return Match(pattern, pg.variant, out, inputs, scalars, region, escapes), None, region
         return None, first_reason, first_region
 
 

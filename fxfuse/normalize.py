@@ -56,6 +56,9 @@ def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
             setattr(aten_gm, attr, getattr(gm, attr))
     old = [n for n in gm.graph.nodes if n.op == "placeholder"]
     new = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+    grad_on = torch.is_grad_enabled()
+    for n, x in zip(new, example_inputs):
+        n.meta["fxfuse_requires_grad"] = grad_on and isinstance(x, torch.Tensor) and x.requires_grad
     for o, n in zip(old, new):
         for k, v in o.meta.items():
             n.meta.setdefault(k, v)

@@ -22,20 +22,35 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .canon import VNode, build_view
 
-# Captured float parameters are traced with these values; a view literal equal to one is a wildcard.
+# Captured scalar parameters are traced with these values (ints for parameters whose default is an
+# int, else floats); a view literal equal to one is a wildcard.
 SENTINELS = (1.2345e-3, 2.3456e-3, 3.4567e-3, 4.5678e-3)
+INT_SENTINELS = (-918273, -918274, -918275, -918276)
+
+
+@dataclass(frozen=True)
+class Free:
+    """A literal position of an op that matches any value and is captured under name (for literals a
+    pattern function cannot take as a parameter: aten's reduction enum, say)."""
+
+    name: str
 
 
 def is_sentinel(v) -> bool:
-    return isinstance(v, float) and v in SENTINELS
+    if isinstance(v, Free):
+        return True
+    if isinstance(v, bool):
+        return False
+    return (isinstance(v, float) and v in SENTINELS) or (isinstance(v, int) and v in INT_SENTINELS)
 
 
 @dataclass(frozen=True)
 class Variant:
     fn: Callable  # the eager reference: how some model writes the op
     consts: dict = field(default_factory=dict)  # fixed lowering arguments of this spelling
-    # dtype sets to trace with, overriding the pattern's (e.g. a spelling that only exists in fp32)
+    # dtype sets / example shapes to trace with, overriding the pattern's (e.g. complex freqs_cis)
     dtypes: tuple | None = None
+    shapes: dict | None = None
 
     @property
     def name(self) -> str:
@@ -52,7 +67,20 @@ class Pattern:
     shapes: dict[str, tuple[int, ...]]  # example shape of each tensor parameter, for tracing
     dtypes: tuple[dict[str, torch.dtype], ...]  # dtype sets to trace each variant with
     check: Callable[[Any], str | None]  # Match -> None (accept) or the reason it is not fused
-    lower: Callable[[Any, fx.Graph], fx.Node]  # emit the fused call before the anchor; return it
+    lower: Callable[[Any, fx.Graph], fx.Node] | None = None  # emit the fused call; return it
+    # patterns whose fused call serves several matches (RoPE: q and k): group the accepted matches
+    # (each group is one site), and lower a group to one node per match, in the group's order
+    group: Callable[[list], list[list]] | None = None
+    lower_group: Callable[[list, fx.Graph], list[fx.Node]] | None = None
+    # (interior FX node, its users outside the match) -> True if it may be used there (a loss head's
+    # logits, which models return): it stays computed, from detached inputs, so no gradient or
+    # backward tangent flows to it
+    may_escape: Callable[[fx.Node, list], bool] = lambda n, users: False
+    # Match -> [(description, bytes)] of tensors written inside single ATen ops of the match that
+    # the fused op does not write either (cross_entropy's log-softmax, say): added to the report
+    hidden_saved: Callable[[Any], list] = lambda m: []
+    # op -> {literal position: capture name}: literals that match any value (see Free)
+    free_literals: dict = field(default_factory=dict)
     # FX node -> True if it marks a candidate site (reported as unmatched when no match covers it)
     is_candidate: Callable[[fx.Node], bool] = lambda n: False
     saved: Callable[[Any], str] = lambda m: ""  # what the fusion stops writing, for the report
@@ -69,24 +97,25 @@ class PatternGraph:
     anchor: str  # view node of the returned value
     wildcards: dict[str, str]  # view node -> tensor parameter name
     depth: int  # longest path in the graph: how far back from the anchor to look
-    scalars: tuple[str, ...]  # captured float parameters, in SENTINELS order
+    scalars: dict  # sentinel value -> captured parameter name
 
 
 @functools.cache
 def trace_variant(pattern: Pattern, variant: Variant) -> tuple[PatternGraph, ...]:
     """Pattern graphs of one variant, one per distinct dtype set (identical traces deduplicated)."""
-    params = list(inspect.signature(variant.fn).parameters)
-    tensors = [p for p in params if p in pattern.shapes]
-    scalars = [p for p in params if p not in pattern.shapes]
+    params = inspect.signature(variant.fn).parameters
+    shapes = pattern.shapes | (variant.shapes or {})
+    tensors = [p for p in params if p in shapes]
+    scalars = [p for p in params if p not in shapes]
     if len(scalars) > len(SENTINELS):
         raise ValueError(f"{variant.name}: at most {len(SENTINELS)} captured scalars")
+    sentinel = {p: (INT_SENTINELS if type(params[p].default) is int else SENTINELS)[i] for i, p in enumerate(scalars)}
     out, seen = [], set()
     for dts in variant.dtypes or pattern.dtypes:
-        args = [torch.randn(pattern.shapes[p], dtype=dts[p]) for p in tensors]
+        args = [_example(shapes[p], dts[p]) for p in tensors]
 
         def fn(*ts):
-            kw = dict(zip(tensors, ts)) | dict(zip(scalars, SENTINELS))
-            return variant.fn(**kw)
+            return variant.fn(**dict(zip(tensors, ts)), **sentinel)
 
         with warnings.catch_warnings():  # mixed-dtype example inputs warn in some ops' fast paths
             warnings.simplefilter("ignore")
@@ -105,11 +134,25 @@ def trace_variant(pattern: Pattern, variant: Variant) -> tuple[PatternGraph, ...
         wildcards = {ph.name: tensors[i] for i, ph in enumerate(phs) if ph.name in vnodes}
         for name in wildcards:
             vnodes[name] = VNode("*", (), ())
+        for name, vn in vnodes.items():
+            for op, positions in pattern.free_literals.items():
+                if vn.label == str(op):
+                    lits = list(vn.lits)
+                    for pos, capture in positions.items():
+                        lits[pos] = Free(capture)
+                    vnodes[name] = VNode(vn.label, tuple(lits), vn.members)
         ret = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         ret = ret[0] if isinstance(ret, (tuple, list)) else ret
         anchor = _resolve_alias(ret, vnodes)
-        out.append(PatternGraph(variant, g, vnodes, anchor, wildcards, nx.dag_longest_path_length(g), tuple(scalars)))
+        out.append(PatternGraph(variant, g, vnodes, anchor, wildcards, nx.dag_longest_path_length(g),
+                                {v: k for k, v in sentinel.items()}))
     return tuple(out)
+
+
+def _example(shape, dtype) -> torch.Tensor:
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype)
+    return torch.randint(0, 5, shape, dtype=dtype)
 
 
 def _resolve_alias(n: fx.Node, vnodes) -> str:

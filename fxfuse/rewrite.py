@@ -26,22 +26,96 @@ def _hint(s) -> int:
     return int(s)
 
 
+def bytes_of(v: torch.Tensor) -> int:
+    return math.prod(_hint(s) for s in v.shape) * v.element_size()
+
+
 def saved_bytes(m: Match) -> tuple[int, list[str]]:
     """Intermediates inside the match that the fused op no longer writes: bytes per call, and which."""
     total, names = 0, []
-    for n in sorted(m.region, key=lambda n: n.name):
+    for n in sorted(m.region - _escape_cone(m), key=lambda n: n.name):
         v = val(n)
         if n is m.anchor or v is None or n.target is torch.ops.aten.view.default or (
                 n.target in CASTS and is_noop_cast(n)):
             continue
-        total += math.prod(_hint(s) for s in v.shape) * v.element_size()
+        total += bytes_of(v)
         names.append(f"{n.name}:{str(v.dtype).removeprefix('torch.')}{list(v.shape)}")
+    for desc, nbytes in m.pattern.hidden_saved(m):
+        total += nbytes
+        names.append(desc)
     return total, names
 
 
-def _describe(m: Match) -> str:
-    b, names = saved_bytes(m)
-    return f"{len(names)} tensors, {b / 2**10:.1f} KiB/call"
+def _real_users(n: fx.Node) -> list[fx.Node]:
+    """n's users, looking through casts that change nothing (they follow their input anywhere)."""
+    out = []
+    for u in n.users:
+        out += _real_users(u) if u.target in CASTS and is_noop_cast(u) else [u]
+    return out
+
+
+def _escape_cone(m: Match) -> set[fx.Node]:
+    """Region nodes that the match's escaping values depend on (they stay computed)."""
+    cone, stack = set(), list(m.escapes)
+    while stack:
+        n = stack.pop()
+        if n in m.region and n not in cone:
+            cone.add(n)
+            stack += n.all_input_nodes
+    return cone
+
+
+def _detach_escapes(m: Match, graph: fx.Graph) -> None:
+    """Values of the match used outside it (logits a model returns) stay computed by the same ops,
+    now from detached inputs: exact values, no gradient through them, no tangent in backward."""
+    cone = _escape_cone(m)
+    if not cone:
+        return
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    detached: dict[fx.Node, fx.Node] = {}
+    with graph.inserting_before(min(cone, key=order.__getitem__)):
+        for n in cone:
+            for a in n.all_input_nodes:
+                if a in m.inputs.values() and a not in detached:
+                    detached[a] = graph.call_function(torch.ops.aten.detach.default, (a,))
+                    detached[a].meta["val"] = a.meta.get("val")
+            n.args = tuple(detached.get(a, a) if isinstance(a, fx.Node) else a for a in n.args)
+
+
+def _bypass_noop_casts(n: fx.Node, new: fx.Node) -> None:
+    """Users reached through no-op casts of n read new directly (the fused call may sit after the
+    casts when it is placed after its last input)."""
+    for u in list(n.users):
+        if u.target in CASTS and is_noop_cast(u):
+            _bypass_noop_casts(u, new)
+            u.replace_all_uses_with(new)
+            n.graph.erase_node(u)  # dead now, and it may sit before new
+
+
+def _placed_groups(pattern: Pattern, matches: list[Match], graph: fx.Graph) -> list[tuple[list[Match], fx.Node]]:
+    """(group, node to insert its fused call before). The call goes before the group's first anchor
+    if every input exists by then, else right after its last input if no anchor is used before
+    that (gpt-fast computes k's input after q's rotation); a group that fits neither is split."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    groups = pattern.group(matches) if pattern.group else [[m] for m in matches]
+    out = []
+    for g in groups:
+        first = min((m.anchor for m in g), key=order.__getitem__)
+        last_input = max((i for m in g for i in m.inputs.values()), key=order.__getitem__)
+        first_use = min((order[u] for m in g for u in _real_users(m.anchor)), default=len(order))
+        if order[last_input] < order[first]:
+            out.append((g, first))
+        elif order[last_input] < first_use:
+            out.append((g, last_input.next))
+        else:
+            out += [([m], m.anchor) for m in g]
+    return out
+
+
+def _lower(pattern: Pattern, group: list[Match], graph: fx.Graph) -> list[fx.Node]:
+    if pattern.lower_group:
+        return pattern.lower_group(group, graph)
+    return [pattern.lower(group[0], graph)]
 
 
 def rewrite(gm: fx.GraphModule, patterns: list[Pattern]) -> Report:
@@ -49,24 +123,32 @@ def rewrite(gm: fx.GraphModule, patterns: list[Pattern]) -> Report:
     report = Report(graphs=1)
     for pattern in patterns:
         matches, misses = GraphMatcher(gm.graph).find(pattern, claimed=set())
-        for m in matches:
+        for group, where in _placed_groups(pattern, matches, gm.graph):
+            first = group[0].anchor
+            variant = "+".join(dict.fromkeys(m.variant.name for m in group))
             before = set(gm.graph.nodes)
             try:
-                with gm.graph.inserting_before(m.anchor):
-                    new = pattern.lower(m, gm.graph)
+                with gm.graph.inserting_before(where):
+                    news = _lower(pattern, group, gm.graph)
             except Exception as e:  # fail safe: the site stays unfused, the compile goes on
                 for n in reversed(list(gm.graph.nodes)):
                     if n not in before:
                         gm.graph.erase_node(n)
-                report.unmatched.append(_site(pattern.name, m.anchor, m.variant.name,
+                report.unmatched.append(_site(pattern.name, first, variant,
                                               reason=f"lowering failed: {type(e).__name__}: {e}"))
                 continue
-            for k in _CARRIED_META:
-                if k in m.anchor.meta:
-                    new.meta[k] = m.anchor.meta[k]
-            report.matched.append(_site(pattern.name, m.anchor, m.variant.name, saved=_describe(m), saved_tensors=saved_bytes(m)[1],
-                                        nodes=sorted(n.name for n in m.region)))
-            m.anchor.replace_all_uses_with(new)
+            saved = [saved_bytes(m) for m in group]
+            nbytes, names = sum(b for b, _ in saved), [t for _, ts in saved for t in ts]
+            report.matched.append(_site(
+                pattern.name, first, variant, saved=f"{len(names)} tensors, {nbytes / 2**10:.1f} KiB/call",
+                saved_tensors=names, nodes=sorted(n.name for m in group for n in m.region)))
+            for m, new in zip(group, news):
+                for k in _CARRIED_META:
+                    if k in m.anchor.meta:
+                        new.meta[k] = m.anchor.meta[k]
+                _bypass_noop_casts(m.anchor, new)
+                m.anchor.replace_all_uses_with(new)
+                _detach_escapes(m, gm.graph)
         for mi in misses:
             report.unmatched.append(_site(pattern.name, mi.anchor, mi.variant, reason=mi.reason,
                                           nodes=[mi.anchor.name]))

@@ -4,9 +4,7 @@ A pattern is traced once at example sizes; the user's graph has its own. Literal
 sizes are rewritten relative to the tensors they apply to:
   - dims become negative (``mean(x, [2])`` on a rank-3 x reads as ``mean(x, [-1])``);
   - slice bounds become fractions of the sliced dim (``x[..., :D//2]`` reads start 0, end 1/2);
-  - reshape / view targets become (input tail, output tail) after dropping the dims the two shapes
-    share at the front, with every size other than 1 and 2 written as a fraction of the input
-    tail's element count (``[B, T, H, D] -> [B, T, H, D/2, 2]`` reads ((1,), (1/2, 2))).
+  - reshape / view targets become their merge / split groups (``_rel_shape``).
 Symbolic sizes are never compared or converted (that would specialise them).
 """
 from __future__ import annotations
@@ -54,17 +52,47 @@ def _frac(bound, size):
     return Fraction(min(max(bound, 0), size), size)
 
 
+def _expr(size):
+    """A size as a sympy expression (symbolic sizes by their expression: no guard)."""
+    import sympy
+
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+
+
 def _rel_shape(src, out):
-    """(input tail, output tail) after the shared leading dims, sizes as fractions (see module doc)."""
-    if not all(isinstance(s, int) for s in (*src, *out)):
-        return "symbolic"
-    i = 0
-    while i < min(len(src), len(out)) and src[i] == out[i]:
-        i += 1
-    tin, tout = tuple(src[i:]), tuple(out[i:])
-    total = math.prod(tin) or 1
-    rel = lambda t: tuple(s if s in (1, 2) else Fraction(s, total) for s in t)  # noqa: E731
-    return rel(tin), rel(tout)
+    """A reshape as its groups: the fewest consecutive input dims and output dims with equal element
+    counts, each written (number of input dims, output sizes): "=" for a dim kept as it is, else "*"
+    per output size but a literal last 1 or 2 (``reshape(..., -1, 2)``).
+    [B, T, V] -> [B*T, V] reads ((2, ("*",)), (1, ("=",))); [.., D] -> [.., D/2, 2] ends (1, ("*", 2))."""
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(out):
+        gi, gj = i, j
+        a = _expr(src[i]) if i < len(src) else None
+        b = _expr(out[j]) if j < len(out) else None
+        i, j = i + (a is not None), j + (b is not None)
+        a = a if a is not None else 1
+        b = b if b is not None else 1
+        while a != b:  # grow the side with fewer elements (sizes are positive integers)
+            if i < len(src) and (j >= len(out) or _less(a, b)):
+                a, i = a * _expr(src[i]), i + 1
+            elif j < len(out):
+                b, j = b * _expr(out[j]), j + 1
+            else:
+                return "irregular"
+        part = out[gj:j]
+        if i - gi == 1 and len(part) == 1:
+            desc = ("=",)
+        else:  # a split's last size is what code writes literally (reshape(..., -1, 2))
+            desc = ("*",) * (len(part) - 1) + ((part[-1],) if part and part[-1] in (1, 2) else ("*",))[: len(part)]
+        groups.append((i - gi, desc))
+    return tuple(groups)
+
+
+def _less(a, b) -> bool:
+    """a < b for positive size expressions; symbolic ones compare by divisibility (a divides b)."""
+    if a.is_Integer and b.is_Integer:
+        return a < b
+    return (b / a).is_Integer is not False and a != b
 
 
 def shape_literals(n, lits: list) -> list:

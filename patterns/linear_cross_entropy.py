@@ -1,0 +1,177 @@
+"""lm_head + cross-entropy: ``cross_entropy(view(float(softcap(x @ W.T + b) * s)), target)``.
+
+The fused op never materialises the [N, V] logits, their fp32 copy or their gradient. Spellings:
+HF ``ForCausalLMLoss`` (``logits.float()``, ``view(-1, V)``), Gemma 2's softcap
+``tanh(z / c) * c``, a logit scale (Cohere), torchtitan's ``flatten(0, 1)``, class dim second
+(``[B, V, T]`` with ``[B, T]`` targets), nanoGPT's plain linear, ``x @ W.t()``, a bias, 2-D inputs.
+reduction, ignore_index and label_smoothing are captured (HF's ``sum / num_items_in_batch`` keeps
+its division outside the site). Label pad-and-shift stays outside: the target is whatever the graph
+hands cross_entropy.
+
+Logits a model returns (HF does) are an escaping value: they stay computed by the same ops from
+detached x and W, so the user gets exact values while no gradient, fp32 copy or logits-sized
+backward tangent exists for them. They do not require grad; a loss that must backpropagate
+through returned logits needs ``patterns`` without ``linear_cross_entropy``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from fxfuse.canon import val
+from fxfuse.pattern import Pattern, Variant
+
+aten = torch.ops.aten
+SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+REDUCTIONS = {1: "mean", 2: "sum"}  # aten's reduction enum
+
+
+def _ce(logits, target, ignore_index, label_smoothing):
+    """F.cross_entropy; its reduction (aten's enum, literal 3 of aten.cross_entropy_loss) is a free
+    literal of the pattern, captured as "reduction"."""
+    return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing)
+
+
+def lce_hf(x, w, target, ignore_index=-100, label_smoothing=0.0):
+    """HF ForCausalLMLoss: lm_head, logits.float(), view(-1, V)."""
+    logits = F.linear(x, w).float()
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
+def lce_hf_softcap(x, w, target, softcap=30.0, ignore_index=-100, label_smoothing=0.0):
+    """Gemma 2: final_logit_softcapping before the loss."""
+    logits = torch.tanh(F.linear(x, w) / softcap) * softcap
+    logits = logits.float()
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
+def lce_hf_scaled(x, w, target, logit_scale=1.0, ignore_index=-100, label_smoothing=0.0):
+    """Cohere: logits * logit_scale before the loss."""
+    logits = (F.linear(x, w) * logit_scale).float()
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
+def lce_hf_bias(x, w, b, target, ignore_index=-100, label_smoothing=0.0):
+    """An lm_head with a bias."""
+    logits = F.linear(x, w, b).float()
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
+def lce_flatten(x, w, target, ignore_index=-100, label_smoothing=0.0):
+    """torchtitan: pred.flatten(0, 1).float()."""
+    return _ce(F.linear(x, w).flatten(0, 1).float(), target, ignore_index, label_smoothing)
+
+
+def lce_class_dim_second(x, w, target2d, ignore_index=-100, label_smoothing=0.0):
+    """cross_entropy on [B, V, T] logits with [B, T] targets."""
+    return _ce(F.linear(x, w).float().transpose(1, 2), target2d, ignore_index, label_smoothing)
+
+
+def lce_matmul(x, w, target, ignore_index=-100, label_smoothing=0.0):
+    """Hand-written heads: x @ W.t()."""
+    logits = x @ w.t()
+    return _ce(logits.view(-1, logits.size(-1)), target, ignore_index, label_smoothing)
+
+
+def lce_2d(x2d, w, target, ignore_index=-100, label_smoothing=0.0):
+    """Already-flat hidden states [N, H]."""
+    return _ce(F.linear(x2d, w).float(), target, ignore_index, label_smoothing)
+
+
+def _x(m) -> fx.Node:
+    return m.inputs.get("x", m.inputs.get("x2d"))
+
+
+def _target(m) -> fx.Node:
+    return m.inputs.get("target", m.inputs.get("target2d"))
+
+
+def check(m) -> str | None:
+    x, w, t = val(_x(m)), val(m.inputs["w"]), val(_target(m))
+    b = val(m.inputs.get("b"))
+    if x is None or w is None or t is None:
+        return "no shape/dtype information on the inputs"
+    if x.dtype not in SUPPORTED or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
+        return f"dtypes x {x.dtype}, W {w.dtype}{f', b {b.dtype}' if b is not None else ''} not supported (one of float32, bfloat16, float16)"
+    if x.device.type not in ("cuda", "cpu"):
+        return f"device {x.device} not supported"
+    if t.dtype != torch.int64:
+        return f"targets are {t.dtype}, not class indices (int64)"
+    if m.scalars.get("reduction") not in REDUCTIONS:
+        return "reduction='none' is not fused (the op returns a scalar)"
+    if w.dim() != 2 or (b is not None and b.dim() != 1):
+        return f"weight {list(w.shape)} is not [V, H]"
+    return None
+
+
+def _logits_node(m) -> fx.Node:
+    (n,) = [n for n in m.region if n.target in (aten.linear.default, aten.matmul.default)]
+    return n
+
+
+def lower(m, graph: fx.Graph) -> fx.Node:
+    import fxfuse.kernels.linear_cross_entropy  # noqa: F401  registers torch.ops.fxfuse.linear_cross_entropy
+
+    call = graph.call_function
+    x, w, b = _x(m), m.inputs["w"], m.inputs.get("b")
+    low = val(_logits_node(m)).dtype
+    if low != val(x).dtype:  # autocast ran the lm_head in low precision: cast as it does
+        x, w = call(aten.to.dtype, (x, low)), call(aten.to.dtype, (w, low))
+        b = call(aten.to.dtype, (b, low)) if b is not None else None
+    x = call(aten.flatten.using_ints, (x, 0, -2))
+    target = call(aten.flatten.using_ints, (_target(m), 0, -1))
+    s = m.scalars
+    loss = call(torch.ops.fxfuse.linear_cross_entropy.default, (
+        x, w, b, target, int(s["ignore_index"]), REDUCTIONS[s["reduction"]], float(s["label_smoothing"]),
+        float(s.get("softcap", 0.0)), float(s.get("logit_scale", 1.0))))
+    out_dtype = val(m.anchor).dtype
+    return loss if out_dtype == torch.float32 else call(aten.to.dtype, (loss, out_dtype))
+
+
+def _hidden(m) -> list:
+    """cross_entropy writes an fp32 log-softmax of the logits, kept for backward, and backward writes
+    the logits' gradient: both [N, V], both gone with the fused op."""
+    from fxfuse.rewrite import bytes_of
+
+    logits = val(_logits_node(m))
+    rows = logits.numel() // logits.shape[-1] if isinstance(logits.numel(), int) else None
+    if rows is None:
+        return []
+    f32 = torch.empty((rows, logits.shape[-1]), dtype=torch.float32, device="meta")
+    grad = f32.to(logits.dtype)
+    return [(f"log_softmax (in cross_entropy):float32[{rows}, {logits.shape[-1]}]", bytes_of(f32)),
+            (f"grad of logits (backward):{str(logits.dtype).removeprefix('torch.')}[{rows}, {logits.shape[-1]}]",
+             bytes_of(grad))]
+
+
+def _returned_only(n: fx.Node, users: list) -> bool:
+    """Logits may leave the site only to be returned (possibly through views): used in another
+    in-graph computation (a z-loss, say) they would lose their gradient."""
+    views = (aten.view.default, aten.reshape.default, aten.slice.Tensor, aten.detach.default)
+    return all(u.op == "output" or (u.target in views and _returned_only(u, list(u.users))) for u in users)
+
+
+_bf, _f32, _i64 = torch.bfloat16, torch.float32, torch.int64
+PATTERN = Pattern(
+    name="linear_cross_entropy",
+    variants=(
+        Variant(lce_hf_softcap, {}),
+        Variant(lce_hf_scaled, {}),
+        Variant(lce_hf_bias, {}),
+        Variant(lce_hf, {}),
+        Variant(lce_flatten, {}),
+        Variant(lce_class_dim_second, {}),
+        Variant(lce_matmul, {}),
+        Variant(lce_2d, {}),
+    ),
+    shapes={"x": (2, 3, 22), "x2d": (6, 22), "w": (50, 22), "b": (50,), "target": (6,), "target2d": (2, 3)},
+    dtypes=({"x": _bf, "x2d": _bf, "w": _bf, "b": _bf, "target": _i64, "target2d": _i64},
+            {"x": _f32, "x2d": _f32, "w": _f32, "b": _f32, "target": _i64, "target2d": _i64}),
+    check=check,
+    lower=lower,
+    may_escape=_returned_only,
+    hidden_saved=_hidden,
+    free_literals={aten.cross_entropy_loss.default: {3: "reduction"}},
+    is_candidate=lambda n: n.target == aten.cross_entropy_loss.default,
+)

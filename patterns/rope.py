@@ -1,0 +1,168 @@
+"""Rotary position embedding: q and k rotated by cos / sin, one fused call per attention layer.
+
+One match is one tensor's rotation; ``group`` pairs the rotations that share cos / sin (q and k of
+one attention layer) into one ``fxfuse::rope`` call, which is one site. Spellings:
+  - HF ``rotate_half``: ``x * cos + cat(-x2, x1) * sin``, cos / sin per channel [..., D];
+  - the same rotation written out on halves: ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``,
+    cos / sin [..., D/2];
+  - interleaved pairs: Meta / torchtitan ``view_as_complex(x.reshape(..., -1, 2)) * freqs_cis``, and
+    gpt-fast's real form (``reshape(..., -1, 2)`` + ``stack``).
+Partial rotary (Phi, GPT-NeoX, StableLM, GLM) needs no spelling of its own: the rotated slice
+``x[..., :r]`` binds as the input, and the pass-through concatenation stays as it was.
+The lowering turns every cos / sin form into per-channel [.., D] tensors (a few tiny ops on the
+[T, D] tables), which the kernel reads once per position.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxfuse.canon import requires_grad, val
+from fxfuse.pattern import Pattern, Variant
+
+aten = torch.ops.aten
+SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rope_rotate_half(x, cos, sin):
+    """HF Llama / Mistral / Qwen2 / Phi-3 / Gemma / GPT-NeoX ``apply_rotary_pos_emb``."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return (x * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+
+
+def rope_halves(x, cos_h, sin_h):
+    """The rotate-half rotation written out, cos / sin holding one value per pair [..., D/2]."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat([x1 * cos_h - x2 * sin_h, x2 * cos_h + x1 * sin_h], dim=-1)
+
+
+def rope_complex_meta(x, freqs_cis):
+    """Meta Llama / torchtitan: complex pairs, freqs_cis already shaped for broadcast [1, T, 1, D/2]."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs_cis).flatten(3).type_as(x)
+
+
+def rope_pairs_gptfast(x, freqs):
+    """gpt-fast: the complex product in real arithmetic, freqs [1, T, 1, D/2, 2] (cos, sin)."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    out = torch.stack(
+        [xs[..., 0] * freqs[..., 0] - xs[..., 1] * freqs[..., 1],
+         xs[..., 1] * freqs[..., 0] + xs[..., 0] * freqs[..., 1]], -1)
+    return out.flatten(3).type_as(x)
+
+
+def _tables(m) -> tuple:
+    """(cos, sin) FX nodes or tensors of one match, before any per-channel expansion."""
+    form = m.consts["form"]
+    if form in ("complex", "pairs"):
+        return (m.inputs["freqs_cis" if form == "complex" else "freqs"],)
+    return (m.inputs.get("cos", m.inputs.get("cos_h")), m.inputs.get("sin", m.inputs.get("sin_h")))
+
+
+def check(m) -> str | None:
+    x, out = val(m.inputs["x"]), val(m.anchor)
+    if x is None or out is None:
+        return "no shape/dtype information on the input"
+    if x.dim() != 4:
+        return f"input has {x.dim()} dims; the kernel rotates [B, H, T, D] or [B, T, H, D]"
+    if x.dtype not in SUPPORTED or out.dtype != x.dtype:
+        return f"dtype {x.dtype} -> {out.dtype} not supported (float32, bfloat16, float16 in and out)"
+    if x.device.type not in ("cuda", "cpu"):
+        return f"device {x.device} not supported"
+    for node in _tables(m):
+        t = val(node)
+        if t is None:
+            return "no shape information on cos/sin"
+        if requires_grad(node):
+            return "cos/sin require grad; the fused op gives them no gradient"
+        if t.dim() > 4 + (m.consts["form"] == "pairs"):
+            return f"cos/sin have {t.dim()} dims"
+    return None
+
+
+def group(matches: list) -> list[list]:
+    """Pairs of rotations sharing the same cos/sin nodes (q and k of one layer), else singles."""
+    by_tables: dict[tuple, list] = {}
+    for m in matches:
+        by_tables.setdefault((m.consts["form"], *map(_same_value_key, _tables(m))), []).append(m)
+    out = []
+    for ms in by_tables.values():
+        out += [ms[i:i + 2] for i in range(0, len(ms), 2)]
+    return out
+
+
+_PURE_VIEWS = {aten.view.default, aten.reshape.default, aten.unsqueeze.default, aten.expand.default,
+               aten.slice.Tensor, aten.select.int, aten.to.dtype, aten._to_copy.default}
+
+
+def _same_value_key(n):
+    """Equal for nodes that compute the same value: the same chain of views/casts of one source
+    (gpt-fast reshapes freqs_cis separately for q and for k)."""
+    if isinstance(n, fx.Node) and n.op == "call_function" and n.target in _PURE_VIEWS:
+        args = tuple(_same_value_key(a) if isinstance(a, fx.Node) else repr(a) for a in n.args)
+        return (str(n.target), args, repr(sorted(n.kwargs.items())))
+    return n
+
+
+def _per_channel(graph: fx.Graph, m) -> tuple[fx.Node, fx.Node]:
+    """cos, sin as rank-4 per-channel tables [.., D] for the kernel."""
+    form, call = m.consts["form"], graph.call_function
+    if form in ("complex", "pairs"):  # [.., D/2, 2] -> cos, sin each repeated per pair: [.., D]
+        src = m.inputs["freqs_cis" if form == "complex" else "freqs"]
+        pairs = call(aten.view_as_real.default, (src,)) if form == "complex" else src
+        rank = val(src).dim() if form == "complex" else val(src).dim() - 1
+        halves = [call(aten.select.int, (pairs, -1, i)) for i in (0, 1)]
+        tabs = [call(aten.flatten.using_ints, (call(aten.stack.default, ([h, h], -1)), -2, -1)) for h in halves]
+    elif form == "halves":
+        rank = val(m.inputs["cos_h"]).dim()
+        tabs = [call(aten.cat.default, ([m.inputs[n], m.inputs[n]], -1)) for n in ("cos_h", "sin_h")]
+    else:
+        rank = val(m.inputs["cos"]).dim()
+        tabs = [m.inputs["cos"], m.inputs["sin"]]
+    for _ in range(4 - rank):
+        tabs = [call(aten.unsqueeze.default, (t, 0)) for t in tabs]
+    return tabs[0], tabs[1]
+
+
+def lower_group(ms: list, graph: fx.Graph) -> list[fx.Node]:
+    import fxfuse.kernels.rope  # noqa: F401  registers torch.ops.fxfuse.rope
+
+    cos, sin = _per_channel(graph, ms[0])
+    q = ms[0].inputs["x"]
+    k = ms[1].inputs["x"] if len(ms) == 2 else q  # a lone rotation rotates its input twice
+    interleaved = ms[0].consts["form"] in ("complex", "pairs")
+    pair = graph.call_function(torch.ops.fxfuse.rope.default, (q, k, cos, sin, interleaved, int(val(q).shape[-1])))
+    return [graph.call_function(operator.getitem, (pair, i)) for i in range(len(ms))]
+
+
+def _is_candidate(n: fx.Node) -> bool:
+    """view_as_complex, or a rotate_half concatenation (its first piece negated)."""
+    if n.target == aten.view_as_complex.default:
+        return True
+    return (n.target == aten.cat.default and isinstance(n.args[0][0], fx.Node)
+            and n.args[0][0].target == aten.neg.default)
+
+
+_bf, _f32, _c64 = torch.bfloat16, torch.float32, torch.complex64
+PATTERN = Pattern(
+    name="rope",
+    variants=(
+        Variant(rope_rotate_half, {"form": "half"}),
+        Variant(rope_halves, {"form": "halves"}),
+        Variant(rope_complex_meta, {"form": "complex"}, dtypes=({"x": _bf, "freqs_cis": _c64},
+                                                                 {"x": _f32, "freqs_cis": _c64})),
+        Variant(rope_pairs_gptfast, {"form": "pairs"}),
+    ),
+    shapes={"x": (2, 3, 4, 22), "cos": (2, 1, 4, 22), "sin": (2, 1, 4, 22), "cos_h": (1, 3, 1, 11),
+            "sin_h": (1, 3, 1, 11), "freqs_cis": (1, 3, 1, 11), "freqs": (1, 3, 1, 11, 2)},
+    dtypes=({"x": _bf, "cos": _bf, "sin": _bf, "cos_h": _bf, "sin_h": _bf, "freqs": _f32},
+            {"x": _f32, "cos": _f32, "sin": _f32, "cos_h": _f32, "sin_h": _f32, "freqs": _f32}),
+    check=check,
+    lower_group=lower_group,
+    group=group,
+    is_candidate=_is_candidate,
+)

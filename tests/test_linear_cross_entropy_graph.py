@@ -1,0 +1,143 @@
+"""lm_head + cross-entropy end to end: the loss head fused in HF (untied, tied, softcap) and
+hand-written models, HF's sum / num_items_in_batch path, all-ignored batches; loss and gradients
+equal eager's; returned logits exact and detached."""
+import copy
+
+import pytest
+import torch
+
+import fxfuse
+from helpers import batch, compiled_parity, hf_model, loss_and_grads, rel_err
+from models import NanoGPT
+
+FP32_TOL = 1e-5
+
+
+@pytest.mark.parametrize("model_type,overrides,variant", [
+    ("llama", {"tie_word_embeddings": False}, "lce_hf"),
+    ("qwen2", {"tie_word_embeddings": True}, "lce_hf"),
+    ("gemma2", {"final_logit_softcapping": 30.0}, "lce_hf_softcap"),
+])
+def test_hf_loss_head_fused(model_type, overrides, variant):
+    model = hf_model(model_type, **overrides)
+    loss_err, grad_err, report, names = compiled_parity(model, batch())
+    (site,) = [s for s in report.matched if s.pattern == "linear_cross_entropy"]
+    assert site.variant == variant
+    assert any(t.startswith("log_softmax") for t in site.saved_tensors)  # CE's [N, V] buffer is gone
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+    assert any("embed_tokens" in n or "lm_head" in n for n in names)
+
+
+def test_returned_logits_exact_and_detached():
+    model = hf_model("llama")
+    inputs = batch()
+    ref = model(**inputs).logits
+    mine = copy.deepcopy(model)
+    # the loss head alone: other fusions change the hidden states within fp32 rounding
+    options = {"inner": "aot_eager", "patterns": ["linear_cross_entropy"]}
+    out = torch.compile(mine, backend="fxfuse", options=options)(**inputs)
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1
+    torch.testing.assert_close(out.logits, ref, rtol=0, atol=0)
+    assert not out.logits.requires_grad and out.loss.requires_grad
+
+
+def test_num_items_in_batch_sum_path():
+    model = hf_model("llama")
+    inputs = batch() | {"num_items_in_batch": torch.tensor(11)}
+    loss_err, grad_err, report, _ = compiled_parity(model, inputs)
+    assert report.counts()["linear_cross_entropy"] == 1
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL
+
+
+def test_all_ignored_batch_matches_eager():
+    model = hf_model("llama")
+    ids = batch()["input_ids"]
+    inputs = {"input_ids": ids, "labels": torch.full_like(ids, -100)}
+    ref = model(**inputs).loss
+    out = torch.compile(copy.deepcopy(model), backend="fxfuse", options={"inner": "aot_eager"})(**inputs).loss
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1
+    assert torch.isnan(ref) and torch.isnan(out)  # mean over zero targets is nan in PyTorch
+
+
+def test_nanogpt_tied_ignore_index_minus_one():
+    torch.manual_seed(0)
+    model = NanoGPT()
+    ids = batch()["input_ids"]
+    labels = ids.clone()
+    labels[:, -3:] = -1
+    loss_err, grad_err, report, names = compiled_parity(model, {"input_ids": ids, "labels": labels},
+                                                        loss_fn=lambda out: out)
+    (site,) = [s for s in report.matched if s.pattern == "linear_cross_entropy"]
+    assert report.counts()["rms_norm"] == 0 and report.counts()["swiglu"] == 0  # LayerNorm, plain GELU
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL
+    assert "wte.weight" in names
+
+
+class Head(torch.nn.Module):
+    """A bare loss head in the spellings hand-written code uses."""
+
+    def __init__(self, spelling, h=24, v=70, bias=False):
+        super().__init__()
+        self.spelling = spelling
+        self.lin = torch.nn.Linear(h, v, bias=bias)
+
+    def forward(self, x, labels):
+        F = torch.nn.functional
+        if self.spelling == "matmul":
+            logits = x @ self.lin.weight.t()
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), reduction="sum") / 7
+        if self.spelling == "class_dim_second":
+            return F.cross_entropy(self.lin(x).float().transpose(1, 2), labels, label_smoothing=0.1)
+        if self.spelling == "flatten":
+            return F.cross_entropy(self.lin(x).flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=3)
+        if self.spelling == "scaled":
+            logits = (self.lin(x) * 0.5).float()
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        return F.cross_entropy(self.lin(x).float().view(-1, 70), labels.view(-1))
+
+
+@pytest.mark.parametrize("spelling,variant,bias", [
+    ("matmul", "lce_matmul", False), ("class_dim_second", "lce_class_dim_second", False),
+    ("flatten", "lce_flatten", False), ("scaled", "lce_hf_scaled", False), ("bias", "lce_hf_bias", True)])
+def test_hand_written_heads(spelling, variant, bias):
+    torch.manual_seed(0)
+    model = Head(spelling, bias=bias)
+    x = torch.randn(3, 5, 24, requires_grad=True)
+    labels = torch.randint(0, 70, (3, 5))
+    loss_err, grad_err, report, _ = compiled_parity(model, {"x": x, "labels": labels}, loss_fn=lambda out: out)
+    assert [s.variant for s in report.matched] == [variant], str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+def test_logits_used_in_graph_is_not_fused():
+    """A z-loss on the logits would lose its gradient if the logits were detached: not fused."""
+    class ZLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 40)
+
+        def forward(self, x, labels):
+            logits = self.lin(x).float()
+            ce = torch.nn.functional.cross_entropy(logits.view(-1, 40), labels.view(-1))
+            return ce + 1e-2 * torch.logsumexp(logits, -1).pow(2).mean()
+
+    model = ZLoss()
+    x, labels = torch.randn(2, 3, 16), torch.randint(0, 40, (2, 3))
+    report = fxfuse.explain(model, x, labels)
+    assert report.counts()["linear_cross_entropy"] == 0
+    (site,) = [s for s in report.unmatched if s.pattern == "linear_cross_entropy"]
+    assert "also used outside" in site.reason
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_bf16_loss_head_within_twice_eager_error(model_type):
+    inputs = batch()
+    ref_loss, ref_grads = loss_and_grads(hf_model(model_type), inputs)
+    e_loss, e_grads = loss_and_grads(hf_model(model_type, dtype=torch.bfloat16), inputs)
+    mine = hf_model(model_type, dtype=torch.bfloat16)
+    f_loss, f_grads = loss_and_grads(mine, inputs, call=torch.compile(
+        mine, backend="fxfuse", options={"inner": "aot_eager", "patterns": ["linear_cross_entropy"]}))
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1
+    flat = lambda g: torch.cat([g[k].double().flatten() for k in sorted(g)])  # noqa: E731
+    assert rel_err(f_loss, ref_loss) <= 2 * rel_err(e_loss, ref_loss)
+    assert rel_err(flat(f_grads), flat(ref_grads)) <= 2 * rel_err(flat(e_grads), flat(ref_grads))

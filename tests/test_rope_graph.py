@@ -1,0 +1,106 @@
+"""RoPE end to end: each attention layer's q+k rotation becomes one fused call, in HF models
+(rotate_half, partial rotary), Meta/torchtitan complex RoPE and gpt-fast's real pairs; parity."""
+import pytest
+import torch
+import torch.nn as nn
+
+import fxfuse
+from helpers import batch, compiled_parity, count_calls, hf_model, loss_and_grads, rel_err
+from models import GptFastBlock, GptFastLM, TitanBlock, TitanLM
+
+FP32_TOL = 1e-5
+
+
+def is_attention(m: nn.Module) -> bool:
+    names = {n for n, _ in m.named_children()}
+    return ({"q_proj", "k_proj"} <= names or "query_key_value" in names or "qkv_proj" in names
+            or isinstance(m, (GptFastBlock, TitanBlock)))
+
+
+@pytest.mark.parametrize("model_type,overrides", [
+    ("llama", {}), ("mistral", {}), ("qwen2", {}), ("phi3", {}), ("gemma", {}),
+    ("llama", {"num_key_value_heads": 1}),  # MQA
+    ("gpt_neox", {"rotary_pct": 0.5}),  # partial rotary: the rotated slice binds as the input
+], ids=["llama", "mistral", "qwen2", "phi3", "gemma", "llama_mqa", "gpt_neox_partial"])
+def test_hf_rotations_fused(model_type, overrides):
+    model = hf_model(model_type, **overrides)
+    inputs = batch()
+    expected = count_calls(model, is_attention, **inputs)
+    loss_err, grad_err, report, _ = compiled_parity(model, inputs)
+    sites = [s for s in report.matched if s.pattern == "rope"]
+    assert len(sites) == expected, str(report)
+    assert all(s.variant == "rope_rotate_half" for s in sites)
+    assert not [s for s in report.unmatched if s.pattern == "rope"], str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+@pytest.mark.parametrize("cls,variant", [(GptFastLM, "rope_pairs_gptfast"), (TitanLM, "rope_complex_meta")])
+def test_hand_written_interleaved_rope(cls, variant):
+    torch.manual_seed(0)
+    model = cls()
+    inputs = batch()
+    loss_err, grad_err, report, _ = compiled_parity(model, inputs, loss_fn=lambda out: out)
+    sites = [s for s in report.matched if s.pattern == "rope"]
+    assert len(sites) == count_calls(model, is_attention, **inputs) == len(model.layers)
+    assert {s.variant for s in sites} == {variant}
+    assert report.counts()["rms_norm"] == 2 * len(model.layers) + 1
+    assert report.counts()["swiglu"] == len(model.layers)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+def test_packed_sequences_position_ids_restart():
+    model = hf_model("llama")
+    ids = batch(t=12)["input_ids"]
+    position_ids = torch.cat([torch.arange(5), torch.arange(7)]).expand(2, -1)  # two packed documents
+    inputs = {"input_ids": ids, "labels": ids, "position_ids": position_ids}
+    loss_err, grad_err, report, _ = compiled_parity(model, inputs)
+    assert report.counts()["rope"] == model.config.num_hidden_layers
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL
+
+
+@pytest.mark.parametrize("make", [lambda: hf_model("qwen2"), GptFastLM], ids=["qwen2", "gptfast"])
+def test_dynamic_lengths_without_recompile(make):
+    torch.manual_seed(0)
+    model = make()
+    compiled = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"}, dynamic=True)
+    call_loss = (lambda out: out) if isinstance(model, GptFastLM) else None
+    seen = []
+    for t in (9, 14, 23):
+        inputs = batch(t=t)
+        ref_loss, ref_grads = loss_and_grads(model, inputs, call_loss)
+        loss, grads = loss_and_grads(model, inputs, call_loss, call=compiled)
+        assert rel_err(loss, ref_loss) < FP32_TOL
+        assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < FP32_TOL
+        seen.append(len(fxfuse.compiled_reports()))
+    assert seen[0] == seen[1] == seen[2], "compiled again for a new sequence length"
+    assert fxfuse.last_report().counts()["rope"] == 2
+
+
+def test_bf16_rotation_within_twice_eager_error():
+    inputs = batch()
+    ref_loss, ref_grads = loss_and_grads(hf_model("llama"), inputs)
+    e_loss, e_grads = loss_and_grads(hf_model("llama", dtype=torch.bfloat16), inputs)
+    mine = hf_model("llama", dtype=torch.bfloat16)
+    f_loss, f_grads = loss_and_grads(mine, inputs, call=torch.compile(
+        mine, backend="fxfuse", options={"inner": "aot_eager", "patterns": ["rope"]}))
+    assert fxfuse.last_report().counts()["rope"] == 2
+    flat = lambda g: torch.cat([g[k].double().flatten() for k in sorted(g)])  # noqa: E731
+    assert rel_err(f_loss, ref_loss) <= 2 * rel_err(e_loss, ref_loss)
+    assert rel_err(flat(f_grads), flat(ref_grads)) <= 2 * rel_err(flat(e_grads), flat(ref_grads))
+
+
+def test_cos_requiring_grad_is_not_fused():
+    class Learned(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cos = nn.Parameter(torch.randn(1, 1, 5, 8))
+            self.sin = nn.Parameter(torch.randn(1, 1, 5, 8))
+
+        def forward(self, q, k):
+            rot = lambda x: torch.cat((-x[..., 4:], x[..., :4]), dim=-1)  # noqa: E731
+            return ((q * self.cos + rot(q) * self.sin) + (k * self.cos + rot(k) * self.sin)).sum()
+
+    q, k = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
+    report = fxfuse.explain(Learned(), q, k)
+    assert report.counts()["rope"] == 0
+    assert any("require grad" in s.reason for s in report.unmatched if s.pattern == "rope"), str(report)
