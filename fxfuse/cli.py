@@ -80,9 +80,7 @@ def explain_cmd(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="fxfuse", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+def register(sub) -> None:
     d = sub.add_parser("demo", help="compile a small HF model with fxfuse: report + parity")
     d.add_argument("--model", default="llama", help="HF model type or config.json path (default llama)")
     d.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
@@ -93,6 +91,19 @@ def main(argv=None) -> int:
     e.add_argument("model", help="HF model type or config.json path")
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=explain_cmd)
+
+
+# modules whose register(subparsers) adds their subcommands
+COMMANDS = ("fxfuse.cli",)
+
+
+def main(argv=None) -> int:
+    import importlib
+
+    p = argparse.ArgumentParser(prog="fxfuse", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for mod in COMMANDS:
+        importlib.import_module(mod).register(sub)
     args = p.parse_args(argv)
     return args.fn(args)
 
