@@ -29,10 +29,16 @@ def selected_patterns(names):
 
 
 def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.GraphModule, Report]:
-    """Dynamo graph -> rewritten ATen graph and its report (no inner compile)."""
-    aten_gm = to_aten(gm, example_inputs)
-    before = aten_gm.code if opts.debug_dir else ""
-    report = rewrite(aten_gm, selected_patterns(opts.patterns))
+    """Dynamo graph -> rewritten ATen graph and its report (no inner compile). Fail safe: if the
+    re-trace or the rewrite raises, Dynamo's graph is returned unchanged and the report says why."""
+    try:
+        aten_gm = to_aten(gm, example_inputs)
+        before = aten_gm.code if opts.debug_dir else ""
+        report = rewrite(aten_gm, selected_patterns(opts.patterns))
+    except Exception as e:
+        log.warning("fxfuse: graph left unfused: %s: %s", type(e).__name__, e)
+        report = Report(graphs=1, errors=[f"graph left unfused: {type(e).__name__}: {e}"])
+        return gm, report
     if opts.debug_dir:
         dump_report(opts.debug_dir, f"graph{next(_graph_ids)}", report, before, aten_gm)
     return aten_gm, report

@@ -118,8 +118,9 @@ class GraphMatcher:
             node = self.nodes[name]
             if node not in covered and node.op == "call_function" and pattern.is_candidate(node):
                 op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-                live.append(Miss(node, "", f"looks like {pattern.name} ({op}) but no variant matched how "
-                                 "it is written", 0, {node}))
+                reason = pattern.miss_reason(node) or (
+                    f"looks like {pattern.name} ({op}) but no variant matched how it is written")
+                live.append(Miss(node, "", reason, 0, {node}))
         matches.sort(key=lambda m: self.order[m.anchor])
         return matches, live
 

@@ -81,6 +81,8 @@ class Pattern:
     hidden_saved: Callable[[Any], list] = lambda m: []
     # op -> {literal position: capture name}: literals that match any value (see Free)
     free_literals: dict = field(default_factory=dict)
+    # candidate FX node -> a specific reason it matched no spelling, or None for the generic one
+    miss_reason: Callable[[fx.Node], str | None] = lambda n: None
     # FX node -> True if it marks a candidate site (reported as unmatched when no match covers it)
     is_candidate: Callable[[fx.Node], bool] = lambda n: False
     saved: Callable[[Any], str] = lambda m: ""  # what the fusion stops writing, for the report

@@ -35,6 +35,7 @@ class Report:
     matched: list[Site] = field(default_factory=list)
     unmatched: list[Site] = field(default_factory=list)
     graphs: int = 0
+    errors: list[str] = field(default_factory=list)  # graphs left whole unfused, and why
 
     def counts(self) -> dict[str, int]:
         """Matched sites per pattern; every pattern name is present."""
@@ -45,6 +46,7 @@ class Report:
         """Append other's sites (copies, graph indices shifted after this report's graphs)."""
         self.matched += [replace(s, graph=s.graph + self.graphs) for s in other.matched]
         self.unmatched += [replace(s, graph=s.graph + self.graphs) for s in other.unmatched]
+        self.errors += other.errors
         self.graphs += other.graphs
 
     @classmethod
@@ -61,6 +63,7 @@ class Report:
                 "graphs": self.graphs,
                 "matched": [asdict(s) for s in self.matched],
                 "unmatched": [asdict(s) for s in self.unmatched],
+                "errors": self.errors,
             },
             indent=2,
         )
@@ -73,6 +76,7 @@ class Report:
             lines.append(_table("matched", self.matched, ("pattern", "variant", "module", "source", "saved")))
         if self.unmatched:
             lines.append(_table("unmatched", self.unmatched, ("pattern", "module", "source", "reason")))
+        lines += [f"error: {e}" for e in self.errors]
         return "\n".join(lines)
 
 

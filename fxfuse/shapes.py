@@ -3,7 +3,8 @@
 A pattern is traced once at example sizes; the user's graph has its own. Literals that depend on
 sizes are rewritten relative to the tensors they apply to:
   - dims become negative (``mean(x, [2])`` on a rank-3 x reads as ``mean(x, [-1])``);
-  - slice bounds become fractions of the sliced dim (``x[..., :D//2]`` reads start 0, end 1/2);
+  - slice bounds become fractions of the sliced dim (``x[..., :D//2]`` reads start 0, end 1/2),
+    except small offsets and the end (``x[..., 1::2]`` reads start 1, end "end");
   - reshape / view targets become their merge / split groups (``_rel_shape``).
 Symbolic sizes are never compared or converted (that would specialise them).
 """
@@ -45,11 +46,16 @@ def _neg(d, rank: int):
 
 
 def _frac(bound, size):
+    """A slice bound relative to the dim's size: 0, 1, 2 stay absolute (offsets such as ``1::2``),
+    the full size reads "end", anything else is a fraction (``:D // 2`` reads 1/2)."""
     if not isinstance(bound, int) or not isinstance(size, int) or size == 0:
         return bound
     if bound < 0:
         bound += size
-    return Fraction(min(max(bound, 0), size), size)
+    bound = min(max(bound, 0), size)
+    if bound == size:
+        return "end"
+    return bound if bound <= 2 else Fraction(bound, size)
 
 
 def _expr(size):

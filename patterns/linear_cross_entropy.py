@@ -2,7 +2,7 @@
 
 The fused op never materialises the [N, V] logits, their fp32 copy or their gradient. Spellings:
 HF ``ForCausalLMLoss`` (``logits.float()``, ``view(-1, V)``), Gemma 2's softcap
-``tanh(z / c) * c``, a logit scale (Cohere), torchtitan's ``flatten(0, 1)``, class dim second
+``tanh(z / c) * c``, a logit scale (Cohere ``* s``, Granite ``/ s``), torchtitan's ``flatten(0, 1)``, class dim second
 (``[B, V, T]`` with ``[B, T]`` targets), nanoGPT's plain linear, ``x @ W.t()``, a bias, 2-D inputs.
 reduction, ignore_index and label_smoothing are captured (HF's ``sum / num_items_in_batch`` keeps
 its division outside the site). Label pad-and-shift stays outside: the target is whatever the graph
@@ -49,6 +49,12 @@ def lce_hf_softcap(x, w, target, softcap=30.0, ignore_index=-100, label_smoothin
 def lce_hf_scaled(x, w, target, logit_scale=1.0, ignore_index=-100, label_smoothing=0.0):
     """Cohere: logits * logit_scale before the loss."""
     logits = (F.linear(x, w) * logit_scale).float()
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
+def lce_hf_divided(x, w, target, logits_scaling=1.0, ignore_index=-100, label_smoothing=0.0):
+    """Granite: logits / logits_scaling before the loss."""
+    logits = (F.linear(x, w) / logits_scaling).float()
     return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
 
 
@@ -110,6 +116,12 @@ def _logits_node(m) -> fx.Node:
     return n
 
 
+def _logit_scale(scalars: dict) -> float:
+    if "logits_scaling" in scalars:
+        return 1.0 / float(scalars["logits_scaling"])
+    return float(scalars.get("logit_scale", 1.0))
+
+
 def lower(m, graph: fx.Graph) -> fx.Node:
     import fxfuse.kernels.linear_cross_entropy  # noqa: F401  registers torch.ops.fxfuse.linear_cross_entropy
 
@@ -124,7 +136,7 @@ def lower(m, graph: fx.Graph) -> fx.Node:
     s = m.scalars
     loss = call(torch.ops.fxfuse.linear_cross_entropy.default, (
         x, w, b, target, int(s["ignore_index"]), REDUCTIONS[s["reduction"]], float(s["label_smoothing"]),
-        float(s.get("softcap", 0.0)), float(s.get("logit_scale", 1.0))))
+        float(s.get("softcap", 0.0)), _logit_scale(s)))
     out_dtype = val(m.anchor).dtype
     return loss if out_dtype == torch.float32 else call(aten.to.dtype, (loss, out_dtype))
 
@@ -145,6 +157,17 @@ def _hidden(m) -> list:
              bytes_of(grad))]
 
 
+def _miss_reason(ce: fx.Node) -> str | None:
+    """Logits that arrive as a graph input: the lm_head ran in another graph."""
+    n = ce.args[0]
+    while isinstance(n, fx.Node) and n.op == "call_function" and len(n.all_input_nodes) == 1:
+        n = n.all_input_nodes[0]
+    if isinstance(n, fx.Node) and n.op == "placeholder":
+        return ("the logits are an input of this graph: the lm_head ran in another graph (a graph break "
+                "between them, see TORCH_LOGS=graph_breaks), so the head cannot be fused")
+    return None
+
+
 def _returned_only(n: fx.Node, users: list) -> bool:
     """Logits may leave the site only to be returned (possibly through views): used in another
     in-graph computation (a z-loss, say) they would lose their gradient."""
@@ -158,6 +181,7 @@ PATTERN = Pattern(
     variants=(
         Variant(lce_hf_softcap, {}),
         Variant(lce_hf_scaled, {}),
+        Variant(lce_hf_divided, {}),
         Variant(lce_hf_bias, {}),
         Variant(lce_hf, {}),
         Variant(lce_flatten, {}),
@@ -174,4 +198,5 @@ PATTERN = Pattern(
     hidden_saved=_hidden,
     free_literals={aten.cross_entropy_loss.default: {3: "reduction"}},
     is_candidate=lambda n: n.target == aten.cross_entropy_loss.default,
+    miss_reason=_miss_reason,
 )

@@ -95,6 +95,17 @@ def lower(m, graph: fx.Graph) -> fx.Node:
     return graph.call_function(torch.ops.fxfuse.rms_norm.default, args)
 
 
+def _centred(rsqrt: fx.Node, hops: int = 5) -> bool:
+    """A subtraction or var/std a few ops upstream of the rsqrt: a LayerNorm (Cohere writes its own),
+    not an RMSNorm candidate."""
+    frontier = [rsqrt]
+    for _ in range(hops):
+        frontier = [a for n in frontier for a in n.all_input_nodes]
+        if any(a.target in (torch.ops.aten.sub.Tensor, torch.ops.aten.var.correction) for a in frontier):
+            return True
+    return False
+
+
 _bf, _f32 = torch.bfloat16, torch.float32
 PATTERN = Pattern(
     name="rms_norm",
@@ -111,5 +122,6 @@ PATTERN = Pattern(
     dtypes=({"x": _bf, "w": _bf}, {"x": _f32, "w": _f32}, {"x": _bf, "w": _f32}),
     check=check,
     lower=lower,
-    is_candidate=lambda n: n.target in (torch.ops.aten.rsqrt.default, torch.ops.aten.rms_norm.default),
+    is_candidate=lambda n: n.target == torch.ops.aten.rms_norm.default or (
+        n.target == torch.ops.aten.rsqrt.default and not _centred(n)),
 )

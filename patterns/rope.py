@@ -2,7 +2,8 @@
 
 One match is one tensor's rotation; ``group`` pairs the rotations that share cos / sin (q and k of
 one attention layer) into one ``fxfuse::rope`` call, which is one site. Spellings:
-  - HF ``rotate_half``: ``x * cos + cat(-x2, x1) * sin``, cos / sin per channel [..., D];
+  - HF ``rotate_half``: ``x * cos + cat(-x2, x1) * sin``, cos / sin per channel [..., D], and its
+    interleaved form (Cohere, GLM, Helium: ``stack(-x[..., 1::2], x[..., ::2]).flatten(-2)``);
   - the same rotation written out on halves: ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``,
     cos / sin [..., D/2];
   - interleaved pairs: Meta / torchtitan ``view_as_complex(x.reshape(..., -1, 2)) * freqs_cis``, and
@@ -31,6 +32,13 @@ def rope_rotate_half(x, cos, sin):
     x1 = x[..., : x.shape[-1] // 2]
     x2 = x[..., x.shape[-1] // 2 :]
     return (x * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+
+
+def rope_interleaved(x, cos, sin):
+    """HF Cohere / GLM / Helium: interleaved pairs, ``stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)``."""
+    x1 = x[..., 0::2]
+    x2 = x[..., 1::2]
+    return (x * cos) + (torch.stack((-x2, x1), dim=-1).flatten(-2) * sin)
 
 
 def rope_halves(x, cos_h, sin_h):
@@ -134,16 +142,16 @@ def lower_group(ms: list, graph: fx.Graph) -> list[fx.Node]:
     cos, sin = _per_channel(graph, ms[0])
     q = ms[0].inputs["x"]
     k = ms[1].inputs["x"] if len(ms) == 2 else q  # a lone rotation rotates its input twice
-    interleaved = ms[0].consts["form"] in ("complex", "pairs")
+    interleaved = ms[0].consts["form"] in ("complex", "pairs", "interleaved")
     pair = graph.call_function(torch.ops.fxfuse.rope.default, (q, k, cos, sin, interleaved, int(val(q).shape[-1])))
     return [graph.call_function(operator.getitem, (pair, i)) for i in range(len(ms))]
 
 
 def _is_candidate(n: fx.Node) -> bool:
-    """view_as_complex, or a rotate_half concatenation (its first piece negated)."""
+    """view_as_complex, or a rotate_half concatenation / stack (its first piece negated)."""
     if n.target == aten.view_as_complex.default:
         return True
-    return (n.target == aten.cat.default and isinstance(n.args[0][0], fx.Node)
+    return (n.target in (aten.cat.default, aten.stack.default) and isinstance(n.args[0][0], fx.Node)
             and n.args[0][0].target == aten.neg.default)
 
 
@@ -152,6 +160,7 @@ PATTERN = Pattern(
     name="rope",
     variants=(
         Variant(rope_rotate_half, {"form": "half"}),
+        Variant(rope_interleaved, {"form": "interleaved"}),
         Variant(rope_halves, {"form": "halves"}),
         Variant(rope_complex_meta, {"form": "complex"}, dtypes=({"x": _bf, "freqs_cis": _c64},
                                                                  {"x": _f32, "freqs_cis": _c64})),

@@ -58,7 +58,15 @@ def lower(m, graph: fx.Graph) -> fx.Node:
     return graph.call_function(torch.ops.fxfuse.swiglu.default, (m.inputs["gate"], m.inputs["up"], m.consts["act"]))
 
 
-_ACTS = (torch.ops.aten.silu.default, torch.ops.aten.gelu.default, torch.ops.aten.sigmoid.default)
+def _is_candidate(n: fx.Node) -> bool:
+    """silu / gelu feeding a product, or sigmoid(x) multiplied by its own x (SiLU spelled out);
+    a sigmoid gate on something else (Qwen2-MoE's shared-expert gate) is not a gated MLP."""
+    muls = [u for u in n.users if u.target == torch.ops.aten.mul.Tensor]
+    if n.target in (torch.ops.aten.silu.default, torch.ops.aten.gelu.default):
+        return bool(muls)
+    return n.target == torch.ops.aten.sigmoid.default and any(n.args[0] in u.args for u in muls)
+
+
 _bf, _f32 = torch.bfloat16, torch.float32
 PATTERN = Pattern(
     name="swiglu",
@@ -72,5 +80,5 @@ PATTERN = Pattern(
     dtypes=({"gate": _bf, "up": _bf}, {"gate": _f32, "up": _f32}),
     check=check,
     lower=lower,
-    is_candidate=lambda n: n.target in _ACTS and any(u.target == torch.ops.aten.mul.Tensor for u in n.users),
+    is_candidate=_is_candidate,
 )

@@ -168,3 +168,20 @@ def test_debug_dump_draws_unmatched_candidates(tmp_path):
     (dot_file,) = tmp_path.glob("*.unmatched0.dot")
     dot = dot_file.read_text()
     assert dot.startswith("digraph") and "also used outside" in dot and "(outside)" in dot
+
+
+def test_retrace_failure_leaves_graph_unfused(monkeypatch):
+    import fxfuse.backend as backend
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("make_fx says no")
+
+    monkeypatch.setattr(backend, "to_aten", broken)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8))
+    x = torch.randn(3, 8)
+    out = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})(x)
+    torch.testing.assert_close(out, model(x))
+    report = fxfuse.last_report()
+    assert report.counts()["rms_norm"] == 0
+    assert report.errors == ["graph left unfused: RuntimeError: make_fx says no"]
+    assert "make_fx says no" in str(report)
