@@ -1,0 +1,293 @@
+"""``fxfuse audit``: the user's own before/after, measured the way a careful practitioner would.
+
+  fxfuse audit --model llama-1b --batch 4 --seq 2048 --steps 200 --compare eager,inductor,liger,fxfuse
+
+Each mode trains the same model (same seed or checkpoint, same batches in the same order, same AdamW,
+same dtype) in its own process (fxfuse/audit_worker.py), so no mode inherits another's allocator
+state, compiled code or warm caches. The parent prints one table and writes ``audit.json`` (everything),
+``audit.txt`` (the table) and ``audit.png`` (loss and memory curves; needs matplotlib) to ``--out``:
+
+- peak allocated and reserved memory (CUDA allocator), or peak RSS of the process on CPU;
+- step time at fixed batch and sequence length, median over the steps after ``--warmup``, tokens/s;
+- the largest batch (and with ``--fit both|seq`` the largest sequence length) that trains, found by
+  doubling then bisection, every trial in its own process so an OOM cannot take the parent down;
+- the share of step time in the target ops (torch.profiler; attribution rule in audit_profile.py);
+- the loss curve of every mode and its largest divergence from eager's;
+- fxfuse's report and the saved activations it removed, per pattern, largest first.
+
+Model: a preset (llama-1b, qwen2-1.5b, gemma2-2b: the shapes of DESIGN.md's table), an HF model type,
+a config.json or a local checkpoint folder; ``--tiny`` shrinks it for a CPU smoke run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from .audit_plot import plot_png
+from .audit_worker import MODES, PRESETS
+
+MIB = 2**20
+
+
+def search_largest(fits, cap: int, start: int = 1) -> tuple[int, list[tuple[int, bool]]]:
+    """Largest n in [start, cap] with fits(n), assuming fits is monotone (True up to some n, then False).
+    Doubling from ``start`` until a failure or ``cap``, then bisection. Returns (n or 0, trials)."""
+    trials = []
+
+    def probe(n: int) -> bool:
+        ok = fits(n)
+        trials.append((n, ok))
+        return ok
+
+    if cap < start or not probe(start):
+        return 0, trials
+    good, bad = start, None
+    while bad is None and good < cap:
+        n = min(2 * good, cap)
+        if probe(n):
+            good = n
+        else:
+            bad = n
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        if probe(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, trials
+
+
+def run_worker(spec: dict, timeout: float | None = None) -> dict:
+    """Run one worker process on ``spec`` and return its result dict (an error dict if it died)."""
+    with tempfile.TemporaryDirectory(prefix="fxfuse_audit_") as tmp:
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        cmd = [sys.executable, "-m", "fxfuse.audit_worker", spec_path, out_path]
+        try:  # the worker's output (progress bar) goes to our stderr, keeping stdout for the table
+            err = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):
+            err = None
+        try:
+            proc = subprocess.run(cmd, timeout=timeout, stdout=err)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        if os.path.exists(out_path):
+            with open(out_path) as f:
+                return json.load(f)
+    return {"mode": spec["mode"], "status": f"error: worker process died (rc {rc})", "fits": False,
+            "reason": f"worker process died (rc {rc}; an OOM kill looks like this)"}
+
+
+def _base_spec(args) -> dict:
+    return dict(model=args.model, config=args.config, tiny=args.tiny, dtype=args.dtype, device=args.device,
+                batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
+                tokens=args.tokens, profile_steps=args.profile_steps, fxfuse_inner=args.fxfuse_inner,
+                mem_limit_gib=args.mem_limit_gib)
+
+
+def fit_search(args, mode: str) -> dict:
+    """Largest batch at --seq and/or largest sequence (multiples of a granule) at --batch for one mode."""
+    out = {}
+    for what in ("batch", "seq"):
+        if args.fit not in (what, "both"):
+            continue
+        cap = args.max_batch_search if what == "batch" else args.max_seq_search
+        if cap <= 0:
+            continue
+        granule = 1 if what == "batch" else min(128, args.seq)
+        reasons = {}
+
+        def fits(n: int) -> bool:
+            spec = {**_base_spec(args), "job": "fit", "mode": mode, what: n * granule}
+            r = run_worker(spec, args.timeout)
+            if not r.get("fits"):
+                reasons[n * granule] = r.get("reason") or r.get("status", "")
+            return bool(r.get("fits"))
+
+        best, trials = search_largest(fits, cap // granule)
+        out[what] = {"largest": best * granule, "cap": cap, "granule": granule,
+                     "trials": [[n * granule, ok] for n, ok in trials], "failures": reasons}
+    return out
+
+
+def divergence(results: dict) -> dict:
+    """Per mode: the largest |loss - eager loss| over the steps both ran, absolute and relative."""
+    ref = (results.get("eager") or {}).get("losses")
+    out = {}
+    for mode, r in results.items():
+        if not ref or not r.get("losses"):
+            continue
+        pairs = list(zip(r["losses"], ref))
+        absd = [abs(a - b) for a, b in pairs]
+        i = max(range(len(absd)), key=absd.__getitem__)
+        out[mode] = {"max_abs": absd[i], "max_rel": absd[i] / max(abs(pairs[i][1]), 1e-30), "at_step": i + 1}
+    return out
+
+
+def _f(v, fmt: str) -> str:
+    """format(v, fmt), or "-" padded to the same width when v is missing."""
+    width = int("".join(c for c in fmt.split(".")[0] if c.isdigit()) or 0)
+    return "-".rjust(width) if v is None else format(v, fmt)
+
+
+def render(audit: dict) -> str:
+    """The console table (also audit.txt)."""
+    a, results, div, fit = audit["args"], audit["modes"], audit["divergence"], audit["fit"]
+    cuda = a["device"].startswith("cuda")
+    mem = "peak alloc / reserved MiB (CUDA allocator)" if cuda else "peak RSS MiB (process, CPU)"
+    lines = [f"fxfuse audit: {a['model']}{' (tiny)' if a['tiny'] else ''}, batch {a['batch']} x seq {a['seq']}, "
+             f"{a['steps']} steps (median after {a['warmup']} warm-up), {a['dtype']} on {audit['env']['device']}, "
+             f"AdamW lr {a['lr']}, seed {a['seed']}, {'tokens ' + a['tokens'] if a['tokens'] else 'synthetic tokens'}",
+             f"memory: {mem}; target-op share: fraction of profiled step time in rms_norm/rope/swiglu/"
+             f"linear_cross_entropy ops (rule: fxfuse/audit_profile.py)"]
+    head = (f"{'mode':9} {'step ms':>9} {'tokens/s':>10} {'peak alloc':>11} {'reserved':>9} {'max batch':>9} "
+            f"{'max seq':>8} {'target %':>8} {'max|dloss|':>10} {'final loss':>10}  status")
+    lines += [head, "-" * len(head)]
+    for mode, r in results.items():
+        fr = fit.get(mode, {})
+        prof = r.get("profile") or {}
+        lines.append(
+            f"{mode:9} {_f(r.get('step_time_ms'), '9.2f')} {_f(r.get('tokens_per_s'), '10.0f')} "
+            f"{_f(r.get('peak_allocated_mib'), '11.1f')} {_f(r.get('peak_reserved_mib'), '9.1f')} "
+            f"{_f(fr.get('batch', {}).get('largest'), '9d')} {_f(fr.get('seq', {}).get('largest'), '8d')} "
+            f"{_f(prof['target_share'] * 100 if 'target_share' in prof else None, '8.1f')} "
+            f"{_f(div.get(mode, {}).get('max_abs'), '10.2e')} "
+            f"{_f(r['losses'][-1] if r.get('losses') else None, '10.4f')}  {r.get('status', '')}")
+    n = a["show_losses"]
+    lines.append(f"\nloss curve, first {n} steps:")
+    for mode, r in results.items():
+        if r.get("losses"):
+            lines.append(f"  {mode:9} " + " ".join(f"{v:.4f}" for v in r["losses"][:n]))
+    for mode, r in results.items():
+        prof = r.get("profile") or {}
+        if prof:
+            parts = ", ".join(f"{p} {prof['ms'][p]:.1f} ms ({prof['share'][p] * 100:.1f}%)" for p in prof["ms"])
+            lines.append(f"target ops, {mode} ({prof['time_source']}, {prof['steps']} steps, "
+                         f"{prof['total_ms']:.1f} ms): {parts}")
+    for mode, r in results.items():
+        if r.get("removed") is None:
+            continue
+        counts = r["report"]["counts"]
+        lines.append(f"\n{mode}: {sum(counts.values())} sites fused {counts}, "
+                     f"{len(r['report']['unmatched'])} unmatched; tensors no longer written, per pattern:")
+        for pattern, agg in r["removed"].items():
+            lines.append(f"  {pattern:21} {agg['sites']:3d} sites  {agg['bytes_per_step'] / MIB:10.2f} MiB/step")
+            for t in agg["tensors"][:3]:
+                size = "?" if t["bytes"] is None else f"{t['bytes'] / MIB:.2f} MiB"
+                lines.append(f"      {t['tensor']}:{t['dtype']}{t['shape']}  {size}  ({t['module'] or 'top level'})")
+        for s in r["report"]["unmatched"][:5]:
+            lines.append(f"  unmatched {s['pattern']} at {s['module'] or 'top level'}: {s['reason']}")
+    return "\n".join(lines)
+
+
+def run_audit(args) -> dict:
+    """Every requested mode in its own process, then the fit searches; writes the outputs; returns the audit."""
+    import torch
+
+    modes = [m.strip() for m in args.compare.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"fxfuse audit: unknown mode(s) {bad}; valid: {MODES}")
+    os.makedirs(args.out, exist_ok=True)
+    env = {"torch": torch.__version__, "python": sys.version.split()[0], "device": args.device,
+           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if args.device.startswith("cuda") and torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name(0)
+    results, fit = {}, {}
+    for mode in modes:
+        print(f"fxfuse audit: running {mode} ...", file=sys.stderr, flush=True)
+        results[mode] = run_worker({**_base_spec(args), "job": "run", "mode": mode}, args.timeout)
+    for mode in modes:
+        if args.fit != "none" and results[mode].get("status") == "ok":
+            print(f"fxfuse audit: largest {args.fit} search for {mode} ...", file=sys.stderr, flush=True)
+            fit[mode] = fit_search(args, mode)
+    audit = {"args": vars(args) | {"fn": None}, "env": env, "modes": results, "divergence": divergence(results),
+             "fit": fit}
+    audit["table"] = render(audit)
+    mem_label = "peak allocated MiB per step" if args.device.startswith("cuda") else "RSS MiB after each step"
+    audit["png"] = plot_png(results, os.path.join(args.out, "audit.png"), mem_label)
+    with open(os.path.join(args.out, "audit.json"), "w") as f:
+        json.dump(audit, f, indent=1)
+    with open(os.path.join(args.out, "audit.txt"), "w") as f:
+        f.write(audit["table"] + "\n")
+    return audit
+
+
+def _kv(s: str):
+    key, _, val = s.partition("=")
+    try:
+        return key, json.loads(val)
+    except json.JSONDecodeError:
+        return key, val
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama",
+                   help=f"preset ({', '.join(PRESETS)}), HF model type, config.json or checkpoint folder")
+    p.add_argument("--config", type=_kv, action="append", default=[], metavar="KEY=VALUE",
+                   help="config override (repeatable), e.g. --config num_hidden_layers=4")
+    p.add_argument("--tiny", action="store_true", help="small config for a CPU smoke run")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the median step time")
+    p.add_argument("--compare", default="eager,inductor,liger,fxfuse", help=f"comma-separated, of {MODES}")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", default=None, help="token file (.npy, .pt, raw uint16 .bin); default synthetic")
+    p.add_argument("--profile-steps", type=int, default=2, help="extra profiled steps (0: no profile)")
+    p.add_argument("--fxfuse-inner", default="inductor", choices=["inductor", "aot_eager", "eager"])
+    p.add_argument("--fit", default="batch", choices=["none", "batch", "seq", "both"],
+                   help="search the largest batch at --seq and/or the largest seq at --batch")
+    p.add_argument("--max-batch-search", type=int, default=256, help="batch search cap (0: skip)")
+    p.add_argument("--max-seq-search", type=int, default=32768, help="sequence search cap (0: skip)")
+    p.add_argument("--mem-limit-gib", type=float, default=None, help="CUDA memory cap for every mode")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per worker process")
+    p.add_argument("--show-losses", type=int, default=10, help="loss-curve steps printed in the table")
+    p.add_argument("--out", default="fxfuse_audit", help="folder for audit.json, audit.txt, audit.png")
+
+
+def _finish(args) -> argparse.Namespace:
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.config = dict(args.config)
+    return args
+
+
+def audit_cmd(args) -> int:
+    audit = run_audit(_finish(args))
+    print(audit["table"])
+    print(audit["png"])
+    print(f"wrote {os.path.join(args.out, 'audit.json')}")
+    failed = [m for m, r in audit["modes"].items() if str(r.get("status", "")).startswith("error")]
+    return 1 if failed else 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("audit", help="before/after training audit: eager / inductor / liger / fxfuse",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(fn=audit_cmd)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fxfuse.audit", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return audit_cmd(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Analyses of ``fxfuse audit``: the share of step time in the target ops, and the tensors fusion removed.
+
+Target-op attribution rule (``category``). An op or kernel name is split into lower-case words at
+every non-alphanumeric character ("aten::_log_softmax" -> aten, log, softmax;
+"triton_per_fused_add_mean_mul_pow_rsqrt_0" -> ..., mean, mul, pow, rsqrt, 0). It counts for the
+first pattern, in this order, whose rule it meets:
+
+  rms_norm              words rsqrt, rmsnorm, pow, mean (and their autograd nodes), or rms + norm
+  swiglu                words silu, gelu, sigmoid, swiglu, geglu (and autograd nodes)
+  rope                  words rope, rotary, neg, cat (and autograd nodes; HF's rotate_half is neg + cat)
+  linear_cross_entropy  words nll, logsumexp, lce, entropy, or log + softmax (and autograd nodes)
+
+This covers the fused ops (fxfuse::rms_norm, fxfuse::rope_bwd, ... and their Triton kernels
+_rms_norm_fwd_kernel, _lce_fwd_chunk_kernel, ...), Liger's kernels (_rms_norm_forward_kernel,
+liger_cross_entropy_kernel, ...), Inductor's generated kernels (named after the ATen ops they fuse)
+and the eager ATen ops of each pattern. Generic ops shared with the rest of the model (mul, add, to,
+mm) are not attributed by name, so for eager the share is a lower bound; a fused op's time includes
+everything it does (fxfuse::linear_cross_entropy includes the lm_head matmul), so for fxfuse and
+Liger the share is an upper bound of the same work. An Inductor kernel fused across patterns counts
+for the first one listed. Optimizer ops (AdamW's _foreach_pow, ...) never count. Time inside an op counts for the nearest enclosing op that has a pattern
+(the CPU reference of a fused op calls generic ATen ops; they count for the fused op).
+
+Time source: on CUDA, kernel time (each kernel attributed by its own name, else by the op that
+launched it); on CPU, self CPU time of every profiled op.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from .report import PATTERN_NAMES
+
+_WORDS = {
+    "rms_norm": {"rsqrt", "rmsnorm", "pow", "mean", "powbackward0", "rsqrtbackward0", "meanbackward1",
+                 "rmsnormbackward", "fusedrmsnormbackward0"},
+    "swiglu": {"silu", "gelu", "sigmoid", "swiglu", "geglu", "silubackward0", "gelubackward0",
+               "sigmoidbackward0"},
+    "rope": {"rope", "rotary", "neg", "cat", "negbackward0", "catbackward0"},
+    "linear_cross_entropy": {"nll", "logsumexp", "lce", "entropy", "nlllossbackward0",
+                             "logsoftmaxbackward0"},
+}
+_PAIRS = {"rms_norm": ("rms", "norm"), "linear_cross_entropy": ("log", "softmax")}
+
+
+_NOT_MODEL = {"foreach", "adam", "adamw", "optimizer", "zero"}  # optimizer ops (_foreach_pow, ...)
+
+
+def _words(name: str) -> set[str]:
+    return set(re.split(r"[^a-z0-9]+", name.lower()))
+
+
+def category(name: str) -> str | None:
+    """The pattern an op or kernel name belongs to under the rule in the module docstring, else None.
+    Optimizer ops (words foreach, adam, optimizer, zero) never count, whatever else they are called."""
+    words = _words(name)
+    if words & _NOT_MODEL:
+        return None
+    for pattern in PATTERN_NAMES:
+        pair = _PAIRS.get(pattern)
+        if words & _WORDS[pattern] or (pair and set(pair) <= words):
+            return pattern
+    return None
+
+
+def _own_or_enclosing(evt) -> str | None:
+    while evt is not None and not _words(evt.name) & _NOT_MODEL:
+        cat = category(evt.name)
+        if cat:
+            return cat
+        evt = evt.cpu_parent
+    return None
+
+
+def attribute(events, cuda: bool) -> tuple[dict, dict, float]:
+    """(ms per pattern, ms per op name, total ms) over profiler FunctionEvents."""
+    from torch.autograd import DeviceType
+
+    per_pattern, per_name, total = defaultdict(float), defaultdict(float), 0.0
+    for evt in events:
+        if evt.device_type != DeviceType.CPU or evt.is_async:
+            continue
+        if cuda:
+            parts = [(k.name, k.duration, category(k.name) or _own_or_enclosing(evt)) for k in evt.kernels]
+        else:
+            parts = [(evt.name, evt.self_cpu_time_total, _own_or_enclosing(evt))]
+        for name, us, cat in parts:
+            total += us / 1e3
+            per_name[name] += us / 1e3
+            if cat:
+                per_pattern[cat] += us / 1e3
+    return dict(per_pattern), dict(per_name), total
+
+
+def profile_shares(call, opt, data, first_batch: int, steps: int, cuda: bool, step_fn) -> dict:
+    """Profile ``steps`` more training steps (batches first_batch...) and attribute their time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if steps <= 0:
+        return {}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for i in range(steps):
+            step_fn(call, opt, data(first_batch + i)).item()
+    per_pattern, per_name, total = attribute(prof.events(), cuda)
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "time_source": "CUDA kernel time" if cuda else "self CPU time",
+        "steps": steps,
+        "total_ms": total,
+        "ms": {p: per_pattern.get(p, 0.0) for p in PATTERN_NAMES},
+        "share": {p: per_pattern.get(p, 0.0) / total if total else 0.0 for p in PATTERN_NAMES},
+        "target_share": sum(per_pattern.values()) / total if total else 0.0,
+        "top_ops": [{"name": n, "ms": ms, "pattern": category(n)} for n, ms in top],
+    }
+
+
+_TENSOR = re.compile(r"^(?P<name>.*):(?P<dtype>\w+)\[(?P<shape>[^\]]*)\]$")
+
+
+def tensor_bytes(desc: str) -> tuple[str, str, list, int | None]:
+    """'mul_3:float32[2, 9, 32]' -> ('mul_3', 'float32', [2, 9, 32], 2304); bytes None if symbolic."""
+    import torch
+
+    m = _TENSOR.match(desc)
+    if not m:
+        return desc, "", [], None
+    dims = [d.strip() for d in m["shape"].split(",") if d.strip()]
+    shape = [int(d) if d.lstrip("-").isdigit() else d for d in dims]
+    dt = getattr(torch, m["dtype"], None)
+    if dt is None or not all(isinstance(d, int) for d in shape):
+        return m["name"], m["dtype"], shape, None
+    n = 1
+    for d in shape:
+        n *= d
+    return m["name"], m["dtype"], shape, n * dt.itemsize
+
+
+def removed_tensors(report, top: int = 8) -> dict:
+    """Per pattern (largest first): sites, bytes no longer written per step at the traced shapes, and
+    the ``top`` largest such tensors with the module they belonged to (from ``Site.saved_tensors``)."""
+    out = {}
+    for site in report.matched:
+        agg = out.setdefault(site.pattern, {"sites": 0, "bytes_per_step": 0, "unknown_size": 0, "tensors": []})
+        agg["sites"] += 1
+        for desc in site.saved_tensors:
+            name, dtype, shape, nbytes = tensor_bytes(desc)
+            agg["tensors"].append({"tensor": name, "dtype": dtype, "shape": shape, "bytes": nbytes,
+                                   "module": site.module})
+            if nbytes is None:
+                agg["unknown_size"] += 1
+            else:
+                agg["bytes_per_step"] += nbytes
+    for agg in out.values():
+        agg["tensors"] = sorted(agg["tensors"], key=lambda t: -(t["bytes"] or 0))[:top]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["bytes_per_step"]))

@@ -1,0 +1,256 @@
+"""One mode of ``fxfuse audit`` in its own process: ``python -m fxfuse.audit_worker SPEC.json OUT.json``.
+
+SPEC is a dict written by the parent (fxfuse/audit.py): ``job`` ("run": the timed training run;
+"fit": does one (batch, seq) train at all), ``mode`` (eager | inductor | liger | fxfuse), the model
+spec and config overrides, dtype, device, batch, seq, steps, warmup, lr, seed, token file,
+profile_steps, fxfuse_inner, mem_limit_gib. Every mode builds the same model from the same seed, sees
+the same batches in the same order and trains with the same AdamW; only the way the model is run
+differs. The result dict is written to OUT as JSON; an error is written there too (the parent shows
+it in the mode's row), so only a hard crash (OOM killer, segfault) leaves OUT missing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from .audit_plot import Progress
+from .audit_profile import profile_shares, removed_tensors
+
+# Shapes of the end-to-end table in DESIGN.md (HF configs of the public checkpoints, random weights).
+PRESETS = {
+    "llama-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+                               rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)),
+    "qwen2-1.5b": ("qwen2", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                 num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+                                 rope_theta=1000000.0, max_position_embeddings=8192, rms_norm_eps=1e-6)),
+    "gemma2-2b": ("gemma2", dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                 num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                 query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
+                                 attn_logit_softcapping=50.0, max_position_embeddings=8192)),
+}
+MODES = ("eager", "inductor", "liger", "fxfuse")
+
+
+def build_model(spec: str, overrides: dict, tiny: bool, dtype: torch.dtype, device: str, seed: int):
+    """HF causal LM from a preset name, an HF model type, a config.json path or a local checkpoint folder.
+
+    A checkpoint folder with weights loads them (same weights in every mode); everything else gets
+    random weights from ``seed``. ``tiny`` applies the demo's small config (CPU smoke runs), then
+    ``overrides`` apply on top.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .cli import DEMO_CONFIG
+
+    extra = {**(DEMO_CONFIG if tiny else {}), **overrides, "use_cache": False}
+    torch.manual_seed(seed)
+    if os.path.isdir(spec):
+        weights = any(f.endswith((".safetensors", ".bin")) for f in os.listdir(spec))
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(spec, torch_dtype=dtype, **extra)
+            return model.to(device)
+        cfg = AutoConfig.from_pretrained(spec, **extra)
+    elif spec.endswith(".json"):
+        cfg = AutoConfig.from_pretrained(spec, **extra)
+    elif spec in PRESETS:
+        model_type, preset = PRESETS[spec]
+        cfg = AutoConfig.for_model(model_type, **{**preset, **extra})
+    else:
+        cfg = AutoConfig.for_model(spec, **extra)
+    return AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype)
+
+
+class Batches:
+    """Batch ``i`` as input_ids [batch, seq] (also the labels: HF shifts them), identical in every mode.
+
+    Synthetic: uniform tokens from a generator seeded by (seed, i). Token file (.npy, .pt, or a raw
+    uint16 .bin as nanoGPT writes): batch i is the next batch*seq tokens, wrapping around.
+    """
+
+    def __init__(self, vocab: int, batch: int, seq: int, seed: int, device: str, token_file: str | None = None):
+        self.vocab, self.batch, self.seq, self.seed, self.device = vocab, batch, seq, seed, device
+        self.tokens = _load_tokens(token_file) if token_file else None
+        if self.tokens is not None:
+            if self.tokens.numel() < batch * seq + 1:
+                raise ValueError(f"token file has {self.tokens.numel()} tokens, fewer than one batch ({batch * seq})")
+            top = int(self.tokens.max())
+            if top >= vocab:
+                raise ValueError(f"token file has token id {top} >= the model's vocab_size {vocab}")
+
+    def __call__(self, i: int) -> torch.Tensor:
+        n = self.batch * self.seq
+        if self.tokens is None:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+            ids = torch.randint(0, self.vocab, (self.batch, self.seq), generator=g)
+        else:
+            start = (i * n) % (self.tokens.numel() - n)
+            ids = self.tokens[start:start + n].view(self.batch, self.seq)
+        return ids.to(self.device)
+
+
+def _load_tokens(path: str) -> torch.Tensor:
+    if path.endswith(".pt"):
+        t = torch.load(path)
+    elif path.endswith(".npy"):
+        import numpy as np
+
+        t = torch.from_numpy(np.load(path).astype("int64"))
+    else:
+        import numpy as np
+
+        t = torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype("int64"))
+    return t.reshape(-1).long()
+
+
+def prepare(mode: str, model, fxfuse_inner: str):
+    """The callable that runs ``model`` in ``mode``; liger patches the model in place (eager)."""
+    if mode == "eager":
+        return model
+    if mode == "inductor":
+        return torch.compile(model)
+    if mode == "fxfuse":
+        return torch.compile(model, backend="fxfuse", options={"inner": fxfuse_inner})
+    if mode == "liger":
+        try:
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        except ImportError as e:
+            raise ModeUnavailable(f"not installed (pip install liger-kernel): {e}") from e
+        _apply_liger_kernel_to_instance(model=model)
+        return model
+    raise ValueError(f"unknown mode {mode!r}; valid: {MODES}")
+
+
+class ModeUnavailable(RuntimeError):
+    pass
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _rss_mib() -> float:
+    """Current resident set size of this process (Linux /proc), MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def train_step(call, opt, ids) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)
+    loss = call(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _setup(spec: dict):
+    device, dtype = spec["device"], getattr(torch, spec["dtype"])
+    if device.startswith("cuda") and spec.get("mem_limit_gib"):
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["mem_limit_gib"] * 2**30 / total), device)
+    model = build_model(spec["model"], spec.get("config", {}), spec.get("tiny", False), dtype, device, spec["seed"])
+    model.train()
+    call = prepare(spec["mode"], model, spec.get("fxfuse_inner", "inductor"))
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
+    data = Batches(model.config.vocab_size, spec["batch"], spec["seq"], spec["seed"], device, spec.get("tokens"))
+    return model, call, opt, data
+
+
+def run(spec: dict) -> dict:
+    """Train ``steps`` steps: loss curve, per-step time and memory, profiler shares, fxfuse's report."""
+    import fxfuse
+
+    device, cuda = spec["device"], spec["device"].startswith("cuda")
+    n_reports = len(fxfuse.compiled_reports())
+    model, call, opt, data = _setup(spec)
+    losses, times, mem = [], [], []
+    peak_alloc = peak_reserved = 0.0
+    bar = Progress(spec["steps"], f"{spec['mode']:>8}")
+    for i in range(spec["steps"]):
+        ids = data(i)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = train_step(call, opt, ids).item()  # .item() syncs: every mode pays the same logging sync
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        if cuda:
+            mem.append(torch.cuda.max_memory_allocated(device) / 2**20)
+            peak_alloc = max(peak_alloc, mem[-1])
+            peak_reserved = max(peak_reserved, torch.cuda.max_memory_reserved(device) / 2**20)
+        else:
+            mem.append(_rss_mib())
+        bar.update(i + 1, f"{times[-1] * 1e3:8.1f} ms  loss {loss:.4f}")
+    if not cuda:
+        peak_alloc = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    timed = times[spec["warmup"]:] or times[-1:]
+    step_s = statistics.median(timed)
+
+    shares = profile_shares(call, opt, data, spec["steps"], spec.get("profile_steps", 2), cuda, train_step)
+    report = fxfuse.Report.merge(fxfuse.compiled_reports()[n_reports:]) if spec["mode"] == "fxfuse" else None
+    return {
+        "mode": spec["mode"], "status": "ok", "losses": losses, "step_times_s": times, "mem_curve_mib": mem,
+        "step_time_ms": step_s * 1e3, "tokens_per_s": spec["batch"] * spec["seq"] / step_s,
+        "timed_steps": len(timed),
+        "peak_allocated_mib": peak_alloc, "peak_reserved_mib": peak_reserved if cuda else None,
+        "memory_source": "torch.cuda.max_memory_allocated/reserved" if cuda else "peak RSS (getrusage ru_maxrss)",
+        "profile": shares,
+        "report": json.loads(report.to_json()) if report is not None else None,
+        "removed": removed_tensors(report) if report is not None else None,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def fit(spec: dict) -> dict:
+    """Does (batch, seq) train? Two steps (the first compiles); an OOM means it does not fit."""
+    try:
+        _, call, opt, data = _setup(spec)
+        for i in range(2):
+            train_step(call, opt, data(i)).item()
+            _sync(spec["device"])
+    except Exception as e:  # noqa: BLE001 - any OOM, however the backend wraps it
+        if _is_oom(e):
+            return {"fits": False, "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        raise
+    out = {"fits": True}
+    if spec["device"].startswith("cuda"):
+        out["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+def main(argv=None) -> int:
+    spec_path, out_path = (argv or sys.argv[1:])[:2]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    try:
+        result = run(spec) if spec["job"] == "run" else fit(spec)
+        rc = 0
+    except ModeUnavailable as e:
+        result, rc = {"mode": spec["mode"], "status": str(e)}, 0
+    except Exception as e:  # noqa: BLE001 - reported in the mode's row, the other modes still run
+        msg = re.sub(r"\s+", " ", str(e))[:300]
+        result = {"mode": spec["mode"], "status": f"error: {type(e).__name__}: {msg}",
+                  "traceback": traceback.format_exc()}
+        rc = 1
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
