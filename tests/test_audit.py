@@ -1,0 +1,122 @@
+"""``fxfuse audit``: the real command on a tiny Llama (eager vs fxfuse, each in its own process), plus the
+pieces that decide its numbers: the largest-batch search, the profiler attribution rule, the removed
+tensors' sizes, the progress bar and the worker's failure paths."""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+from fxfuse.audit import run_worker, search_largest
+from fxfuse.audit_plot import Progress
+from fxfuse.audit_profile import category, tensor_bytes
+from fxfuse.audit_worker import build_model
+from helpers import count_calls, is_rms_norm
+
+SEQ, BATCH, STEPS = 16, 2, 3
+
+
+def test_audit_command_eager_vs_fxfuse(tmp_path):
+    """The CLI end to end on CPU: table on stdout, JSON, PNG; same losses, fxfuse's report and removed
+    tensors present, target ops found by the profiler in both modes."""
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(3, 512, size=4 * BATCH * SEQ).astype(np.uint16))
+    out = tmp_path / "audit"
+    cmd = [sys.executable, "-m", "fxfuse", "audit", "--model", "llama", "--tiny", "--batch", str(BATCH),
+           "--seq", str(SEQ), "--steps", str(STEPS), "--warmup", "1", "--compare", "eager,fxfuse",
+           "--fxfuse-inner", "aot_eager", "--fit", "none", "--profile-steps", "1", "--tokens", str(tokens),
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    audit = json.loads((out / "audit.json").read_text())
+    eager, fx = audit["modes"]["eager"], audit["modes"]["fxfuse"]
+    assert eager["status"] == "ok" and fx["status"] == "ok"
+    assert len(eager["losses"]) == len(fx["losses"]) == STEPS
+    assert eager["losses"][0] != eager["losses"][-1], "the optimizer did not change the model"
+    assert audit["divergence"]["fxfuse"]["max_rel"] < 1e-5  # fp32: same data, init, optimizer
+    assert audit["divergence"]["eager"]["max_abs"] == 0.0
+    for r in (eager, fx):
+        assert r["step_time_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_allocated_mib"] > 50
+        assert len(r["mem_curve_mib"]) == STEPS and r["peak_reserved_mib"] is None  # CPU: RSS only
+        assert 0 < r["profile"]["target_share"] <= 1
+    assert eager["report"] is None
+
+    model = build_model("llama", {}, True, torch.float32, "cpu", seed=0)
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    n_norms = count_calls(model, is_rms_norm, input_ids=ids, labels=ids)
+    assert fx["report"]["counts"]["rms_norm"] == n_norms
+    removed = fx["removed"]
+    assert set(removed) == {p for p, n in fx["report"]["counts"].items() if n}
+    sizes = [agg["bytes_per_step"] for agg in removed.values()]
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] > 0
+    rms = removed["rms_norm"]
+    assert rms["sites"] == n_norms and rms["tensors"][0]["bytes"] >= rms["tensors"][-1]["bytes"] > 0
+    assert rms["tensors"][0]["shape"][:2] == [BATCH, SEQ]
+
+    table = proc.stdout
+    assert audit["table"] in table and "peak RSS" in table
+    assert "tensors no longer written" in table and "rms_norm" in table
+    assert (out / "audit.png").read_bytes()[:4] == b"\x89PNG"
+    assert "fxfuse [" in proc.stderr and f"{STEPS}/{STEPS}" in proc.stderr  # progress bar
+
+
+def test_search_largest_doubles_then_bisects():
+    fits = lambda n: n <= 37  # noqa: E731
+    best, trials = search_largest(fits, cap=256)
+    assert best == 37
+    assert [n for n, _ in trials[:7]] == [1, 2, 4, 8, 16, 32, 64]
+    assert len(trials) <= 7 + 5  # bisection between 32 and 64
+    assert search_largest(fits, cap=20)[0] == 20  # cap reached, no failure
+    assert search_largest(lambda n: False, cap=8) == (0, [(1, False)])
+
+
+def test_fit_worker_and_dead_worker():
+    spec = dict(job="fit", mode="eager", model="llama", config={"num_hidden_layers": 1}, tiny=True,
+                dtype="float32", device="cpu", batch=2, seq=8, steps=2, warmup=0, lr=1e-3, seed=0, tokens=None,
+                profile_steps=0, fxfuse_inner="aot_eager", mem_limit_gib=None)
+    assert run_worker(spec)["fits"] is True
+    dead = run_worker(spec, timeout=0.01)  # killed before it writes: the parent survives, "does not fit"
+    assert dead["fits"] is False and "died" in dead["reason"]
+
+
+def test_unknown_mode_is_reported_in_its_row():
+    spec = dict(job="run", mode="nosuchmode", model="llama", config={}, tiny=True, dtype="float32",
+                device="cpu", batch=1, seq=4, steps=1, warmup=0, lr=1e-3, seed=0, tokens=None, profile_steps=0,
+                fxfuse_inner="aot_eager", mem_limit_gib=None)
+    r = run_worker(spec)
+    assert r["status"].startswith("error: ValueError") and "nosuchmode" in r["status"]
+
+
+def test_attribution_rule():
+    cases = {
+        "aten::pow": "rms_norm", "aten::rsqrt": "rms_norm", "fxfuse::rms_norm_backward": "rms_norm",
+        "triton_per_fused_add_mean_mul_pow_rsqrt_0": "rms_norm", "_rms_norm_forward_kernel": "rms_norm",
+        "aten::silu_backward": "swiglu", "_swiglu_fwd_kernel": "swiglu", "triton_poi_fused_mul_silu_1": "swiglu",
+        "fxfuse::rope_bwd": "rope", "aten::neg": "rope", "_triton_rope": "rope",
+        "aten::_log_softmax": "linear_cross_entropy", "aten::nll_loss_forward": "linear_cross_entropy",
+        "_lce_fwd_chunk_kernel": "linear_cross_entropy", "liger_cross_entropy_kernel": "linear_cross_entropy",
+        "aten::mm": None, "aten::mul": None, "aten::_softmax": None, "aten::_foreach_pow": None,
+        "Optimizer.step#AdamW.step": None, "aten::scaled_dot_product_attention": None,
+    }
+    assert {n: category(n) for n in cases} == cases
+
+
+def test_tensor_bytes():
+    assert tensor_bytes("mul_3:float32[2, 9, 32]") == ("mul_3", "float32", [2, 9, 32], 2304)
+    assert tensor_bytes("log_softmax (in cross_entropy):bfloat16[18, 96]")[::3] == (
+        "log_softmax (in cross_entropy)", 18 * 96 * 2)
+    assert tensor_bytes("x:float32[s0, 32]")[3] is None
+
+
+def test_progress_bar_without_terminal_prints_deciles():
+    buf = io.StringIO()
+    bar = Progress(200, "fxfuse", stream=buf)
+    for i in range(1, 201):
+        bar.update(i, "note")
+    lines = buf.getvalue().splitlines()
+    assert 10 <= len(lines) <= 11 and lines[-1].startswith("fxfuse [" + "#" * 28 + "] 200/200")
+    assert "\r" not in buf.getvalue()
