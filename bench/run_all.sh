@@ -3,6 +3,8 @@
 #   on the device, from the repo root, with the liger-kernel wheel carried in .whl/:
 #   bash bench/run_all.sh                          # every benchmark; logs under $OUT (or ./bench_logs)
 #   bash bench/run_all.sh rms_norm swiglu          # only these (BENCH_TIMEOUT=seconds per script)
+#   E2E_MODELS=llama-1b bash bench/run_all.sh e2e  # end-to-end training audit (bench/e2e.py), only when
+#                                                  # named; one model per 10-minute call (E2E_ARGS=extra flags)
 # fxfuse is installed into /tmp/site (not editable: the image has no network for build deps) and
 # scripts run by path, so the repo's fxfuse/ folder never shadows the installed package.
 set -u
@@ -24,3 +26,9 @@ has rms_norm && run rms_norm --cuda-graph
 has swiglu && run swiglu
 has rope && run rope
 has linear_cross_entropy && run linear_cross_entropy
+if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" e2e "* ]]; then
+  echo "== e2e ${E2E_MODELS:-all models}"
+  # shellcheck disable=SC2086
+  timeout "${E2E_TIMEOUT:-570}" python3 "$repo/bench/e2e.py" ${E2E_MODELS:+--models "$E2E_MODELS"} ${E2E_ARGS:-} \
+    --out "$out/e2e" 2>&1 | tee -a "$out/e2e.log" | grep -v Warning
+fi
