@@ -20,8 +20,8 @@ Liger the share is an upper bound of the same work. An Inductor kernel fused acr
 for the first one listed. Optimizer ops (AdamW's _foreach_pow, ...) never count. Time inside an op counts for the nearest enclosing op that has a pattern
 (the CPU reference of a fused op calls generic ATen ops; they count for the fused op).
 
-Time source: on CUDA, kernel time (each kernel attributed by its own name, else by the op that
-launched it); on CPU, self CPU time of every profiled op.
+Time source: on CUDA, GPU time (the sum of every kernel, memcpy and memset; each kernel attributed
+by its own name, else by the op that launched it); on CPU, self CPU time of every profiled op.
 """
 from __future__ import annotations
 
@@ -72,22 +72,36 @@ def _own_or_enclosing(evt) -> str | None:
 
 
 def attribute(events, cuda: bool) -> tuple[dict, dict, float]:
-    """(ms per pattern, ms per op name, total ms) over profiler FunctionEvents."""
+    """(ms per pattern, ms per op or kernel name, total ms) over profiler FunctionEvents.
+
+    CUDA: the total is every device event (kernels, memcpy, memset); a kernel counts for its own
+    name's pattern, else for the pattern of the op that launched it (or an op enclosing that one).
+    CPU: self CPU time of every op, counted for its own or its nearest enclosing op's pattern."""
     from torch.autograd import DeviceType
 
     per_pattern, per_name, total = defaultdict(float), defaultdict(float), 0.0
     for evt in events:
-        if evt.device_type != DeviceType.CPU or evt.is_async:
+        if evt.is_async:
             continue
-        if cuda:
-            parts = [(k.name, k.duration, category(k.name) or _own_or_enclosing(evt)) for k in evt.kernels]
-        else:
-            parts = [(evt.name, evt.self_cpu_time_total, _own_or_enclosing(evt))]
-        for name, us, cat in parts:
-            total += us / 1e3
-            per_name[name] += us / 1e3
+        if cuda and evt.device_type != DeviceType.CPU:
+            ms = evt.time_range.elapsed_us() / 1e3
+            total += ms
+            per_name[evt.name] += ms
+            cat = category(evt.name)
             if cat:
-                per_pattern[cat] += us / 1e3
+                per_pattern[cat] += ms
+        elif cuda:
+            unnamed = [k.duration for k in evt.kernels if category(k.name) is None]
+            cat = _own_or_enclosing(evt) if unnamed and not evt.is_legacy else None
+            if cat:
+                per_pattern[cat] += sum(unnamed) / 1e3
+        else:
+            ms = evt.self_cpu_time_total / 1e3
+            total += ms
+            per_name[evt.name] += ms
+            cat = _own_or_enclosing(evt)
+            if cat:
+                per_pattern[cat] += ms
     return dict(per_pattern), dict(per_name), total
 
 
@@ -104,7 +118,7 @@ def profile_shares(call, opt, data, first_batch: int, steps: int, cuda: bool, st
     per_pattern, per_name, total = attribute(prof.events(), cuda)
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:12]
     return {
-        "time_source": "CUDA kernel time" if cuda else "self CPU time",
+        "time_source": "GPU kernel time" if cuda else "self CPU time",
         "steps": steps,
         "total_ms": total,
         "ms": {p: per_pattern.get(p, 0.0) for p in PATTERN_NAMES},

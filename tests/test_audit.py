@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from fxfuse.audit import run_worker, search_largest
@@ -120,3 +121,28 @@ def test_progress_bar_without_terminal_prints_deciles():
     lines = buf.getvalue().splitlines()
     assert 10 <= len(lines) <= 11 and lines[-1].startswith("fxfuse [" + "#" * 28 + "] 200/200")
     assert "\r" not in buf.getvalue()
+
+
+def test_attribution_of_gpu_kernels():
+    """CUDA branch (no GPU here: profiler events faked): a kernel counts for its own name's pattern,
+    else for its launching op's; the total is all device time."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from fxfuse.audit_profile import attribute
+
+    def cpu(name, kernels, parent=None):
+        return NS(name=name, device_type=DeviceType.CPU, is_async=False, is_legacy=False, cpu_parent=parent,
+                  kernels=[NS(name=k, duration=us) for k, us in kernels])
+
+    def gpu(name, us):
+        return NS(name=name, device_type=DeviceType.CUDA, is_async=False, time_range=NS(elapsed_us=lambda: us))
+
+    step = cpu("ProfilerStep#0", [])
+    events = [step, cpu("fxfuse::rms_norm", [("_rms_norm_fwd_kernel", 40), ("vectorized_copy", 30)], step),
+              cpu("aten::mm", [("sm90_gemm", 100)], step),
+              gpu("_rms_norm_fwd_kernel", 40), gpu("vectorized_copy", 30), gpu("sm90_gemm", 100)]
+    per_pattern, per_name, total = attribute(events, cuda=True)
+    assert per_pattern.keys() == {"rms_norm"} and per_pattern["rms_norm"] == pytest.approx(0.07)
+    assert total == pytest.approx(0.17) and per_name["sm90_gemm"] == pytest.approx(0.1)
