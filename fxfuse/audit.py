@@ -229,7 +229,7 @@ def _kv(s: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama",
+    p.add_argument("--model", default="llama-1b",
                    help=f"preset ({', '.join(PRESETS)}), HF model type, config.json or checkpoint folder")
     p.add_argument("--config", type=_kv, action="append", default=[], metavar="KEY=VALUE",
                    help="config override (repeatable), e.g. --config num_hidden_layers=4")
@@ -247,8 +247,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", default=None, help="token file (.npy, .pt, raw uint16 .bin); default synthetic")
     p.add_argument("--profile-steps", type=int, default=2, help="extra profiled steps (0: no profile)")
     p.add_argument("--fxfuse-inner", default="inductor", choices=["inductor", "aot_eager", "eager"])
-    p.add_argument("--fit", default="batch", choices=["none", "batch", "seq", "both"],
-                   help="search the largest batch at --seq and/or the largest seq at --batch")
+    p.add_argument("--fit", default=None, choices=["none", "batch", "seq", "both"],
+                   help="search the largest batch at --seq and/or the largest seq at --batch "
+                        "(default: batch on cuda, none on cpu)")
     p.add_argument("--max-batch-search", type=int, default=256, help="batch search cap (0: skip)")
     p.add_argument("--max-seq-search", type=int, default=32768, help="sequence search cap (0: skip)")
     p.add_argument("--mem-limit-gib", type=float, default=None, help="CUDA memory cap for every mode")
@@ -262,6 +263,7 @@ def _finish(args) -> argparse.Namespace:
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.fit = args.fit or ("batch" if args.device.startswith("cuda") else "none")
     args.config = dict(args.config)
     return args
 
