@@ -94,7 +94,7 @@ def register(sub) -> None:
 
 
 # modules whose register(subparsers) adds their subcommands
-COMMANDS = ("fxfuse.cli", "fxfuse.audit")
+COMMANDS = ("fxfuse.cli", "fxfuse.zoo", "fxfuse.audit")
 
 
 def main(argv=None) -> int:

@@ -38,8 +38,23 @@ def _fakify(gm: fx.GraphModule, example_inputs, fake_mode):
     return out
 
 
+class Unsupported(RuntimeError):
+    """Dynamo's graph holds something the re-trace cannot reproduce faithfully."""
+
+
+def check_retraceable(gm: fx.GraphModule) -> None:
+    """Higher-order ops (a custom autograd.Function, activation checkpointing, ...) carry backward
+    rules or recomputation that a plain re-trace would drop, silently losing gradients (seen with
+    Bloom's GeLU autograd.Function): such graphs stay unfused."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
+            raise Unsupported(f"higher-order op {n.target.__name__} ({n.name}) would lose its backward or "
+                              "recomputation in the re-trace")
+
+
 def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     """Re-trace Dynamo's graph to pre-dispatch ATen; keeps Dynamo's graph and placeholder metadata."""
+    check_retraceable(gm)
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     fakes = _fakify(gm, example_inputs, fake_mode)
 

@@ -4,7 +4,7 @@ A pattern is traced once at example sizes; the user's graph has its own. Literal
 sizes are rewritten relative to the tensors they apply to:
   - dims become negative (``mean(x, [2])`` on a rank-3 x reads as ``mean(x, [-1])``);
   - slice bounds become fractions of the sliced dim (``x[..., :D//2]`` reads start 0, end 1/2),
-    except small offsets and the end (``x[..., 1::2]`` reads start 1, end "end");
+    except in strided slices, whose bounds are offsets (``x[..., 1::2]`` reads start 1, end "end");
   - reshape / view targets become their merge / split groups (``_rel_shape``).
 Symbolic sizes are never compared or converted (that would specialise them).
 """
@@ -45,9 +45,10 @@ def _neg(d, rank: int):
     return d
 
 
-def _frac(bound, size):
-    """A slice bound relative to the dim's size: 0, 1, 2 stay absolute (offsets such as ``1::2``),
-    the full size reads "end", anything else is a fraction (``:D // 2`` reads 1/2)."""
+def _frac(bound, size, step):
+    """A slice bound relative to the dim's size: the full size reads "end"; in a strided slice
+    (``x[..., 1::2]``) bounds are offsets and stay absolute; else they are fractions of the size
+    (``x[..., :D // 2]`` reads 1/2 for every D)."""
     if not isinstance(bound, int) or not isinstance(size, int) or size == 0:
         return bound
     if bound < 0:
@@ -55,7 +56,7 @@ def _frac(bound, size):
     bound = min(max(bound, 0), size)
     if bound == size:
         return "end"
-    return bound if bound <= 2 else Fraction(bound, size)
+    return bound if step != 1 else Fraction(bound, size)
 
 
 def _expr(size):
@@ -118,7 +119,8 @@ def shape_literals(n, lits: list) -> list:
         dim = lits[1] if lits[1] >= 0 else lits[1] + x.dim()
         size = x.shape[dim]
         lits[1] = dim - x.dim()
-        lits[2], lits[3] = _frac(lits[2], size), _frac(lits[3], size)
+        step = lits[4] if len(lits) > 4 else 1
+        lits[2], lits[3] = _frac(lits[2], size, step), _frac(lits[3], size, step)
     elif t in RESHAPES and val(n.args[0]) is not None and val(n) is not None:
         lits[1] = _rel_shape(tuple(val(n.args[0]).shape), tuple(val(n).shape))
     elif t == aten.rms_norm.default:

@@ -1,0 +1,160 @@
+"""The architecture harness: how many sites a model has (from its own module calls), whether fxfuse
+fused every one and nothing else, and whether training through the fused model matches eager.
+
+``check(build, inputs)``:
+  - expected sites per pattern, counted from module calls in one eager forward (``expected_sites``);
+  - fp32 parity: loss and every gradient of the fxfuse-compiled model against eager (rel err < 1e-5);
+  - no false match: no pattern matched more sites than the model has;
+  - 20 AdamW steps under bf16 autocast on a fixed batch: the loss tracks eager's within 1e-2 relative.
+A site that stays unfused is a *gap* (with the report's reason), never a pass. Dropout is set to 0
+(its random masks differ between runs); models are otherwise as built, in train mode.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .report import PATTERN_NAMES, Report
+
+FP32_TOL = 1e-5
+BF16_STEPS, BF16_TOL = 20, 1e-2
+
+
+def _names(m: nn.Module) -> set[str]:
+    return {n for n, _ in m.named_children()} | {n for n, _ in m.named_parameters(recurse=False)}
+
+
+def is_rms_norm(m: nn.Module) -> bool:
+    return isinstance(m, nn.RMSNorm) or type(m).__name__.lower().endswith("rmsnorm")
+
+
+def is_gated_mlp(m: nn.Module) -> bool:
+    """act(gate) * up modules: HF gate_proj/up_proj, fused gate_up_proj (Phi-3, MoE experts),
+    Meta / gpt-fast w1/w3."""
+    names = _names(m)
+    return {"gate_proj", "up_proj"} <= names or "gate_up_proj" in names or {"w1", "w3"} <= names
+
+
+def is_attention(m: nn.Module) -> bool:
+    names = _names(m)
+    return ({"q_proj", "k_proj"} <= names or {"wq", "wk"} <= names
+            or bool(names & {"query_key_value", "qkv_proj", "wqkv"}))
+
+
+def uses_rope(model: nn.Module) -> bool:
+    """A rotary embedding module, or a rotary table buffer (inv_freq, freqs_cis)."""
+    return any("rotary" in type(m).__name__.lower() for m in model.modules()) or any(
+        n.split(".")[-1] in ("inv_freq", "freqs_cis") for n, _ in model.named_buffers())
+
+
+def expected_sites(model: nn.Module, inputs: dict, has_loss_head: bool) -> dict[str, int]:
+    calls = {p: 0 for p in PATTERN_NAMES}
+    rope = uses_rope(model)
+    tests = {"rms_norm": is_rms_norm, "swiglu": is_gated_mlp, "rope": lambda m: rope and is_attention(m)}
+    hooks = [mod.register_forward_hook(lambda *_, p=p: calls.__setitem__(p, calls[p] + 1))
+             for mod in model.modules() for p, test in tests.items() if test(mod)]
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    calls["linear_cross_entropy"] = int(has_loss_head)
+    return calls
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _step(model, call, inputs, loss_of):
+    model.zero_grad(set_to_none=True)
+    loss = loss_of(call(**inputs))
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _train(model, call, inputs, loss_of, steps: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16):
+            loss = loss_of(call(**inputs))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@dataclass
+class Result:
+    name: str
+    expected: dict[str, int]
+    matched: dict[str, int]
+    loss_err: float
+    grad_err: float
+    bf16_max_rel: float | None
+    reasons: dict[str, list[str]] = field(default_factory=dict)  # unmatched reasons per pattern
+
+    @property
+    def false_matches(self) -> list[str]:
+        return [p for p in PATTERN_NAMES if self.matched[p] > self.expected[p]]
+
+    @property
+    def gaps(self) -> list[str]:
+        return [p for p in PATTERN_NAMES if self.matched[p] < self.expected[p]]
+
+    @property
+    def parity_ok(self) -> bool:
+        return self.loss_err < FP32_TOL and self.grad_err < FP32_TOL
+
+    @property
+    def bf16_ok(self) -> bool:
+        return self.bf16_max_rel is not None and self.bf16_max_rel < BF16_TOL
+
+    @property
+    def passed(self) -> bool:
+        return not self.gaps and not self.false_matches and self.parity_ok and self.bf16_ok
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"gaps": self.gaps, "false_matches": self.false_matches, "passed": self.passed}
+
+
+def check(name: str, build: Callable[[], nn.Module], inputs: dict, loss_of=lambda out: out.loss,
+          has_loss_head: bool = True, inner: str = "aot_eager", bf16_steps: int = BF16_STEPS) -> Result:
+    """Run the harness on the model build() returns (random weights, fp32, train mode)."""
+    import fxfuse
+
+    model = build()
+    for m in model.modules():  # random dropout masks would differ between eager and compiled runs
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    expected = expected_sites(model, inputs, has_loss_head)
+    ref_loss, ref_grads = _step(model, model, inputs, loss_of)
+    mine = copy.deepcopy(model)
+    n0 = len(fxfuse.compiled_reports())
+    compiled = torch.compile(mine, backend="fxfuse", options={"inner": inner})
+    loss, grads = _step(mine, compiled, inputs, loss_of)
+    report = Report.merge(fxfuse.compiled_reports()[n0:])
+    grad_err = max((_rel(grads[k], ref_grads[k]) for k in ref_grads), default=0.0)
+    if grads.keys() != ref_grads.keys():
+        grad_err = float("inf")
+    bf16 = None
+    if bf16_steps:
+        torch._dynamo.reset()
+        eager_model, fx_model = copy.deepcopy(model), copy.deepcopy(model)
+        ref = _train(eager_model, eager_model, inputs, loss_of, bf16_steps)
+        got = _train(fx_model, torch.compile(fx_model, backend="fxfuse", options={"inner": inner}),
+                     inputs, loss_of, bf16_steps)
+        bf16 = max(abs(g - r) / max(abs(r), 1e-12) for g, r in zip(got, ref))
+    reasons: dict[str, list[str]] = {}
+    for s in report.unmatched:
+        reasons.setdefault(s.pattern, []).append(s.reason)
+    reasons.update({"graph": report.errors} if report.errors else {})
+    return Result(name, expected, report.counts(), _rel(loss, ref_loss), grad_err, bf16, reasons)

@@ -1,0 +1,135 @@
+"""The model zoo: HF causal LMs built from tiny configs (random weights), checked by the harness;
+``fxfuse check MODEL`` runs the harness on one architecture (an HF model type or a config.json),
+``python -m fxfuse.zoo --markdown`` prints the README coverage table from harness results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from .harness import Result, check
+from .report import PATTERN_NAMES
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, use_cache=False,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+# model type -> config overrides on top of TINY (only where the architecture needs them)
+HF_ZOO: dict[str, dict] = {
+    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "gemma": {}, "gemma2": {}, "gemma3_text": {},
+    "phi3": {}, "phi": {}, "gpt_neox": {"rotary_pct": 0.5}, "mixtral": {"num_local_experts": 4},
+    "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
+    "olmo": {}, "olmo2": {}, "stablelm": {}, "cohere": {}, "starcoder2": {}, "granite": {}, "glm": {},
+    "helium": {}, "smollm3": {}, "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "opt": {"ffn_dim": 48, "word_embed_proj_dim": 32, "dropout": 0.0}, "bloom": {},
+}
+
+# (architecture, pattern) -> why the site is not fused; the harness records these as gaps
+KNOWN_GAPS: dict[tuple[str, str], str] = {
+    # transformers logs a warning (loss_type=None) between lm_head and loss: a graph break;
+    # config.loss_type = "ForCausalLM" avoids it
+    ("gpt2", "linear_cross_entropy"): "graph break",
+    # Bloom's GeLU is a custom autograd.Function: the graph stays whole unfused (normalize.py)
+    ("bloom", "linear_cross_entropy"): "higher-order op autograd_function_apply",
+}
+
+
+def hf_config(spec: str, **overrides):
+    from transformers import AutoConfig
+
+    if spec.endswith(".json"):
+        cfg = AutoConfig.from_pretrained(spec)
+        for k, v in overrides.items():
+            setattr(cfg, k, v)
+        return cfg
+    return AutoConfig.for_model(spec, **{**TINY, **HF_ZOO.get(spec, {}), **overrides})
+
+
+def hf_inputs(vocab: int, b: int = 2, t: int = 9, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (b, t), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def check_hf(spec: str, bf16_steps: int = 20, inner: str = "aot_eager", **overrides) -> Result:
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(spec, **overrides)
+
+    def build():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(cfg)
+
+    name = spec if not spec.endswith(".json") else cfg.model_type
+    return check(name, build, hf_inputs(cfg.vocab_size), bf16_steps=bf16_steps, inner=inner)
+
+
+def cell(r: Result, pattern: str) -> str:
+    exp, got = r.expected[pattern], r.matched[pattern]
+    if exp == 0 and got == 0:
+        return "-"
+    mark = "" if got == exp else (" (gap)" if got < exp else " (FALSE MATCH)")
+    return f"{got}/{exp}{mark}"
+
+
+def markdown(results: list[Result]) -> str:
+    head = "| architecture | " + " | ".join(PATTERN_NAMES) + " | fp32 parity | bf16 20 steps |"
+    rows = [head, "|" + "---|" * (len(PATTERN_NAMES) + 3)]
+    for r in sorted(results, key=lambda r: r.name):
+        cells = [cell(r, p) for p in PATTERN_NAMES]
+        rows.append(f"| {r.name} | " + " | ".join(cells) + f" | {'ok' if r.parity_ok else 'FAIL'} | "
+                    f"{'ok' if r.bf16_ok else 'FAIL'} |")
+    return "\n".join(rows)
+
+
+def summary(r: Result) -> str:
+    lines = [f"{r.name}: " + ", ".join(f"{p} {cell(r, p)}" for p in PATTERN_NAMES)]
+    lines.append(f"  fp32 parity: loss rel err {r.loss_err:.2e}, worst gradient rel err {r.grad_err:.2e} -> "
+                 f"{'ok' if r.parity_ok else 'FAIL'}")
+    if r.bf16_max_rel is not None:
+        lines.append(f"  bf16 autocast, 20 AdamW steps: largest loss divergence {r.bf16_max_rel:.2e} -> "
+                     f"{'ok' if r.bf16_ok else 'FAIL'}")
+    for p, reasons in r.reasons.items():
+        for reason in dict.fromkeys(reasons):
+            lines.append(f"  unfused {p}: {reason}")
+    lines.append("  PASS" if r.passed else "  NOT PASSED: " + ", ".join(
+        [f"gap in {p}" for p in r.gaps] + [f"false match in {p}" for p in r.false_matches]
+        + ([] if r.parity_ok else ["fp32 parity"]) + ([] if r.bf16_ok or r.bf16_max_rel is None else ["bf16"])))
+    return "\n".join(lines)
+
+
+def check_cmd(args) -> int:
+    r = check_hf(args.model, bf16_steps=0 if args.no_train else 20, inner=args.inner)
+    print(json.dumps(r.to_dict(), indent=2) if args.json else summary(r))
+    return 0 if r.passed or (args.no_train and not r.gaps and not r.false_matches and r.parity_ok) else 1
+
+
+def register(sub) -> None:
+    c = sub.add_parser("check", help="does fxfuse fuse every site of this architecture, with parity?")
+    c.add_argument("model", help="HF model type (llama, qwen2, ...) or a config.json path")
+    c.add_argument("--no-train", action="store_true", help="skip the 20 bf16 AdamW steps")
+    c.add_argument("--inner", choices=["aot_eager", "inductor", "eager"], default="aot_eager")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=check_cmd)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="run the HF zoo through the harness")
+    p.add_argument("--markdown", action="store_true", help="print the coverage table")
+    p.add_argument("models", nargs="*", default=list(HF_ZOO))
+    args = p.parse_args(argv)
+    results = []
+    for m in args.models:
+        torch._dynamo.reset()
+        results.append(check_hf(m))
+        print(summary(results[-1]), file=sys.stderr, flush=True)
+    if args.markdown:
+        print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
