@@ -16,6 +16,7 @@ from .normalize import to_aten
 from .options import Options
 from .report import Report
 from .rewrite import rewrite
+from .skipped import wrap_outputs
 
 log = logging.getLogger("fxfuse")
 _REPORTS: list[tuple[str, Report]] = []  # (Dynamo compile id, report) of every graph compiled
@@ -34,7 +35,7 @@ def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.Gra
     try:
         aten_gm = to_aten(gm, example_inputs)
         before = aten_gm.code if opts.debug_dir else ""
-        report = rewrite(aten_gm, selected_patterns(opts.patterns))
+        report = rewrite(aten_gm, selected_patterns(opts.patterns), skip_escapes=opts.logits == "skip")
     except Exception as e:
         log.warning("fxfuse: graph left unfused: %s: %s", type(e).__name__, e)
         report = Report(graphs=1, errors=[f"graph left unfused: {type(e).__name__}: {e}"])
@@ -49,18 +50,22 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
     aten_gm, report = transform(gm, example_inputs, opts)
     _REPORTS.append((str(gm.meta.get("dynamo_compile_id", "")), report))
     log.info("%s", report)
+    return wrap_outputs(inner_compile(aten_gm, example_inputs, opts, mode), report.skipped_outputs)
+
+
+def inner_compile(gm: fx.GraphModule, example_inputs, opts: Options, mode: str | None):
     if opts.inner == "eager":
-        return aten_gm
+        return gm
     if opts.inner == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
 
-        return aot_eager(aten_gm, example_inputs)
+        return aot_eager(gm, example_inputs)
     from torch._inductor import config, list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
     mode_opts = list_mode_options(mode) if mode not in (None, "default") else {}
     with config.patch({**mode_opts, **opts.inductor_config}):
-        return compile_fx(aten_gm, example_inputs)
+        return compile_fx(gm, example_inputs)
 
 
 def compiled_reports() -> list[Report]:

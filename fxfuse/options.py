@@ -12,6 +12,8 @@ DOC = {
     "patterns": f"iterable of pattern names to fuse, subset of {PATTERN_NAMES} (default: all)",
     "debug_dir": "folder for one report dump per compiled graph (default: $FXFUSE_DEBUG_DIR, else none)",
     "inductor_config": "dict of torch._inductor.config overrides for the inner Inductor compile",
+    "logits": "'exact' (default): logits a fused loss head returns are computed exactly (detached); "
+              "'skip': not computed, any use raises",
 }
 
 
@@ -21,6 +23,7 @@ class Options:
     patterns: tuple[str, ...] = PATTERN_NAMES
     debug_dir: str | None = None
     inductor_config: dict = field(default_factory=dict)
+    logits: str = "exact"
 
     @classmethod
     def parse(cls, options: dict | None) -> Options:
@@ -38,4 +41,7 @@ class Options:
         if bad:
             raise ValueError(f"fxfuse: unknown pattern(s) {bad}; valid: {PATTERN_NAMES}")
         debug_dir = options.get("debug_dir", os.environ.get("FXFUSE_DEBUG_DIR") or None)
-        return cls(inner, pats, debug_dir, dict(options.get("inductor_config") or {}))
+        logits = options.get("logits", "exact")
+        if logits not in ("exact", "skip"):
+            raise ValueError(f"fxfuse: option 'logits' must be 'exact' or 'skip', got {logits!r}")
+        return cls(inner, pats, debug_dir, dict(options.get("inductor_config") or {}), logits)

@@ -36,6 +36,7 @@ class Report:
     unmatched: list[Site] = field(default_factory=list)
     graphs: int = 0
     errors: list[str] = field(default_factory=list)  # graphs left whole unfused, and why
+    skipped_outputs: list[int] = field(default_factory=list)  # single graph: outputs not computed
 
     def counts(self) -> dict[str, int]:
         """Matched sites per pattern; every pattern name is present."""

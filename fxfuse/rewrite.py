@@ -82,6 +82,20 @@ def _detach_escapes(m: Match, graph: fx.Graph) -> None:
             n.args = tuple(detached.get(a, a) if isinstance(a, fx.Node) else a for a in n.args)
 
 
+def _skip_escapes(m: Match, graph: fx.Graph) -> list[fx.Node]:
+    """Escaping values are not computed: each becomes an empty tensor where it is returned."""
+    empties = []
+    for e in m.escapes:
+        v = val(e)
+        with graph.inserting_before(e):
+            empty = graph.call_function(torch.ops.aten.empty.memory_format, ([0],),
+                                        {"dtype": v.dtype, "device": v.device})
+        empty.meta["val"] = v.new_empty(0)
+        e.replace_all_uses_with(empty)
+        empties.append(empty)
+    return empties
+
+
 def _bypass_noop_casts(n: fx.Node, new: fx.Node) -> None:
     """Users reached through no-op casts of n read new directly (the fused call may sit after the
     casts when it is placed after its last input)."""
@@ -118,9 +132,12 @@ def _lower(pattern: Pattern, group: list[Match], graph: fx.Graph) -> list[fx.Nod
     return [pattern.lower(group[0], graph)]
 
 
-def rewrite(gm: fx.GraphModule, patterns: list[Pattern]) -> Report:
-    """Fuse every accepted match of each pattern in gm (in place); report what happened."""
+def rewrite(gm: fx.GraphModule, patterns: list[Pattern], skip_escapes: bool = False) -> Report:
+    """Fuse every accepted match of each pattern in gm (in place); report what happened.
+    skip_escapes: values a match lets escape (returned logits) are not computed: their outputs
+    become empty placeholders, listed in report.skipped_outputs (positions in the output tuple)."""
     report = Report(graphs=1)
+    skipped: list[fx.Node] = []
     for pattern in patterns:
         matches, misses = GraphMatcher(gm.graph).find(pattern, claimed=set())
         for group, where in _placed_groups(pattern, matches, gm.graph):
@@ -148,11 +165,16 @@ def rewrite(gm: fx.GraphModule, patterns: list[Pattern]) -> Report:
                         new.meta[k] = m.anchor.meta[k]
                 _bypass_noop_casts(m.anchor, new)
                 m.anchor.replace_all_uses_with(new)
-                _detach_escapes(m, gm.graph)
+                if skip_escapes:
+                    skipped += _skip_escapes(m, gm.graph)
+                else:
+                    _detach_escapes(m, gm.graph)
         for mi in misses:
             report.unmatched.append(_site(pattern.name, mi.anchor, mi.variant, reason=mi.reason,
                                           nodes=[mi.anchor.name]))
         gm.graph.eliminate_dead_code()
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    report.skipped_outputs = [i for i, a in enumerate(out.args[0]) if a in skipped]
     gm.graph.lint()
     gm.recompile()
     return report

@@ -141,3 +141,22 @@ def test_bf16_loss_head_within_twice_eager_error(model_type):
     flat = lambda g: torch.cat([g[k].double().flatten() for k in sorted(g)])  # noqa: E731
     assert rel_err(f_loss, ref_loss) <= 2 * rel_err(e_loss, ref_loss)
     assert rel_err(flat(f_grads), flat(ref_grads)) <= 2 * rel_err(flat(e_grads), flat(ref_grads))
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_skipped_logits_fail_loudly(inner):
+    model = hf_model("llama", num_hidden_layers=1)
+    inputs = batch()
+    ref_loss, ref_grads = loss_and_grads(model, inputs)
+    mine = copy.deepcopy(model)
+    compiled = torch.compile(mine, backend="fxfuse", options={"inner": inner, "logits": "skip"})
+    mine.zero_grad()
+    out = compiled(**inputs)
+    out.loss.backward()
+    assert rel_err(out.loss, ref_loss) < FP32_TOL
+    assert max(rel_err(p.grad, ref_grads[n]) for n, p in mine.named_parameters()) < FP32_TOL
+    assert fxfuse.last_report().skipped_outputs
+    for use in (lambda t: t.argmax(-1), lambda t: t + 1, lambda t: t.float(), lambda t: t[0]):
+        with pytest.raises(RuntimeError, match="fxfuse skipped computing"):
+            use(out.logits)
+    assert "fxfuse skipped computing" in repr(out.logits)
