@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fxfuse
-from helpers import batch, compiled_parity, count_calls, hf_model, is_rms_norm, loss_and_grads, rel_err
+from helpers import batch, bf16_errors, compiled_parity, count_calls, hf_model, is_rms_norm, loss_and_grads, rel_err
 
 
 def test_entry_point_without_import():
@@ -81,31 +81,12 @@ def test_frozen_norm_weights():
     assert loss_err < 1e-5 and grad_err < 1e-5
 
 
-def _flat_grads(grads):
-    return torch.cat([grads[k].double().flatten() for k in sorted(grads)])
-
-
-def _bf16_errors(make_model, inputs, autocast: bool):
-    """(eager error, fxfuse error) of loss and of all gradients against the fp32 eager reference."""
-    ref_loss, ref_grads = loss_and_grads(make_model(torch.float32), inputs)
-    dtype = torch.float32 if autocast else torch.bfloat16
-    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else torch.enable_grad
-    eager = make_model(dtype)
-    with ctx():
-        e_loss, e_grads = loss_and_grads(eager, inputs)
-    mine = make_model(dtype)
-    compiled = torch.compile(mine, backend="fxfuse", options={"inner": "aot_eager"})
-    with ctx():
-        f_loss, f_grads = loss_and_grads(mine, inputs, call=compiled)
-    ref, e, f = _flat_grads(ref_grads), _flat_grads(e_grads), _flat_grads(f_grads)
-    return (rel_err(e_loss, ref_loss), rel_err(e, ref)), (rel_err(f_loss, ref_loss), rel_err(f, ref))
-
-
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16_weights", "bf16_autocast"])
 @pytest.mark.parametrize("model_type", ["llama", "gemma"])
 def test_bf16_within_twice_eager_error(model_type, autocast):
     inputs = batch()
-    (e_loss, e_grad), (f_loss, f_grad) = _bf16_errors(lambda dt: hf_model(model_type, dtype=dt), inputs, autocast)
+    (e_loss, e_grad), (f_loss, f_grad) = bf16_errors(lambda dt: hf_model(model_type, dtype=dt), inputs, autocast,
+                                                      patterns=["rms_norm"])
     assert fxfuse.last_report().counts()["rms_norm"] == count_calls(hf_model(model_type), is_rms_norm, **inputs)
     assert f_loss <= 2 * e_loss and f_grad <= 2 * e_grad, ((e_loss, e_grad), (f_loss, f_grad))
 

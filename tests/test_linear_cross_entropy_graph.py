@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fxfuse
-from helpers import batch, compiled_parity, hf_model, loss_and_grads, rel_err
+from helpers import batch, bf16_errors, compiled_parity, hf_model, loss_and_grads, rel_err
 from models import NanoGPT
 
 FP32_TOL = 1e-5
@@ -131,16 +131,10 @@ def test_logits_used_in_graph_is_not_fused():
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
 def test_bf16_loss_head_within_twice_eager_error(model_type):
-    inputs = batch()
-    ref_loss, ref_grads = loss_and_grads(hf_model(model_type), inputs)
-    e_loss, e_grads = loss_and_grads(hf_model(model_type, dtype=torch.bfloat16), inputs)
-    mine = hf_model(model_type, dtype=torch.bfloat16)
-    f_loss, f_grads = loss_and_grads(mine, inputs, call=torch.compile(
-        mine, backend="fxfuse", options={"inner": "aot_eager", "patterns": ["linear_cross_entropy"]}))
+    (e_loss, e_grad), (f_loss, f_grad) = bf16_errors(lambda dt: hf_model(model_type, dtype=dt), batch(),
+                                                      patterns=["linear_cross_entropy"])
     assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1
-    flat = lambda g: torch.cat([g[k].double().flatten() for k in sorted(g)])  # noqa: E731
-    assert rel_err(f_loss, ref_loss) <= 2 * rel_err(e_loss, ref_loss)
-    assert rel_err(flat(f_grads), flat(ref_grads)) <= 2 * rel_err(flat(e_grads), flat(ref_grads))
+    assert f_loss <= 2 * e_loss and f_grad <= 2 * e_grad, ((e_loss, e_grad), (f_loss, f_grad))
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
