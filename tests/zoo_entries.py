@@ -18,7 +18,8 @@ def _hand_written(name, cls):
             torch.manual_seed(0)
             return cls()
 
-        return check(name, build, hf_inputs(96), loss_of=lambda out: out)
+        ids = hf_inputs(96, t=10)["input_ids"]  # next-token targets: hand-written models do not shift
+        return check(name, build, {"input_ids": ids[:, :-1], "labels": ids[:, 1:].contiguous()}, loss_of=lambda out: out)
 
     return run
 
