@@ -4,9 +4,10 @@ traced model. ``torch.compile(model, backend="fxfuse")``; ``fxfuse.explain(model
 from __future__ import annotations
 
 from .explain import explain
+from .patch import patch, patch_report
 from .report import PATTERN_NAMES, Report, Site
 
-__all__ = ["explain", "Report", "Site", "PATTERN_NAMES", "last_report", "compiled_reports"]
+__all__ = ["explain", "Report", "Site", "PATTERN_NAMES", "last_report", "compiled_reports", "patch", "patch_report"]
 
 
 def last_report() -> Report:
