@@ -12,7 +12,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LINE = re.compile(r"rank (\d): loss rel err (\S+), worst grad rel err (\S+), graphs (\d+), counts (\{.*\})")
+LINE = re.compile(r"rank (\d): loss rel err (\S+), worst grad rel err (\S+), graphs (\d+), counts (\{[^}]*\})")  # rank lines may interleave
 
 
 def _launch(wrap: str) -> list[tuple]:
