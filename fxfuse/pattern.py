@@ -152,9 +152,12 @@ def trace_variant(pattern: Pattern, variant: Variant) -> tuple[PatternGraph, ...
 
 
 def _example(shape, dtype) -> torch.Tensor:
+    """Example input for tracing a pattern; a private generator keeps the user's RNG stream intact
+    (compiling must not change what dropout or data shuffling draw next)."""
+    g = torch.Generator().manual_seed(0)
     if dtype.is_floating_point or dtype.is_complex:
-        return torch.randn(shape, dtype=dtype)
-    return torch.randint(0, 5, shape, dtype=dtype)
+        return torch.randn(shape, generator=g, dtype=dtype)
+    return torch.randint(0, 5, shape, generator=g, dtype=dtype)
 
 
 def _resolve_alias(n: fx.Node, vnodes) -> str:

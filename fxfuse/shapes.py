@@ -99,7 +99,7 @@ def _less(a, b) -> bool:
     """a < b for positive size expressions; symbolic ones compare by divisibility (a divides b)."""
     if a.is_Integer and b.is_Integer:
         return a < b
-    return (b / a).is_Integer is not False and a != b
+    return (b / a).is_integer is not False and a != b
 
 
 def shape_literals(n, lits: list) -> list:
