@@ -36,3 +36,14 @@ def test_readme_coverage_table_is_generated():
     table = markdown([_result(name) for name in ENTRIES])
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     assert readme_block(readme) == table, "README coverage table is stale: run python tests/update_coverage.py"
+
+
+def test_check_command_on_a_config_json(tmp_path, capsys):
+    from fxfuse.cli import main
+    from fxfuse.zoo import hf_config
+
+    hf_config("qwen2").save_pretrained(tmp_path)
+    assert main(["check", str(tmp_path / "config.json"), "--no-train"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("qwen2: rms_norm 5/5, rope 2/2, swiglu 2/2, linear_cross_entropy 1/1")
+    assert "fp32 parity" in out and "PASS" in out
