@@ -40,6 +40,7 @@ rounded to the input dtype once (as eager rounds its logits' grad). With more th
 (N > R = 4096 tokens at H = 4096) dW is rounded to bf16/fp16 once per pass: at 8 passes the
 fp16 test measures ~1.9x eager's dW error (the bound is 2x), so very long batches lose some.
 """
+import functools
 from typing import Optional
 
 import torch
@@ -136,6 +137,7 @@ def _lce_bwd_chunk_kernel(
         tl.store(g_row + cols, dz.to(g_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.lru_cache(maxsize=256)  # called per chunk: hundreds of times per op call
 def _block(cols: int) -> int:
     # One tile covers a 1024-wide chunk row; wider chunks loop (4 warps x 8 fp32 per thread).
     return min(triton.next_power_of_2(cols), 1024)
@@ -173,11 +175,16 @@ def _view(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return buf[: rows * cols].view(rows, cols)
 
 
+# torch >= 2.8: CUDA mm/addmm with an fp32 out_dtype (looked up once: a failed lookup is slow).
+_HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype_out")
+_HAS_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
 def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """out [M, P] fp32 = a [M, K] @ b [K, P], accumulated in fp32 with no rounding to a's dtype."""
     if a.dtype == torch.float32:
         torch.mm(a, b, out=out)
-    elif a.is_cuda and hasattr(torch.ops.aten.mm, "dtype_out"):
+    elif a.is_cuda and _HAS_MM_OUT_DTYPE:
         torch.mm(a, b, out_dtype=torch.float32, out=out)
     elif a.is_cuda:
         out.copy_(a @ b)  # torch < 2.8: cuBLAS rounds to a's dtype, as eager does
@@ -189,7 +196,7 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc [M, P] fp32 += a [M, K] @ b [K, P]."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-    elif a.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
+    elif a.is_cuda and _HAS_ADDMM_OUT_DTYPE:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     elif a.is_cuda:
         acc.add_(a @ b)
@@ -197,11 +204,11 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a.float(), b.float())
 
 
-def _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, scale):
+def _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, scale, on_triton):
     rows, cols = z.shape
-    b = bias[v0:] if bias is not None else z
-    if not use_triton(z):
+    if not on_triton:
         return _fwd_chunk_reference(z, bias, target, state, n0, v0, softcap, scale)
+    b = bias[v0:] if bias is not None else z
     block = _block(cols)
     _lce_fwd_chunk_kernel[(rows,)](
         z, b, target, state, n0, v0, cols, target.shape[0], z.stride(0), scale, softcap,
@@ -209,10 +216,11 @@ def _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, scale):
     )
 
 
-def _bwd_chunk(z, g, bias, target, lse, drow, n0, v0, ignore_index, smoothing, vocab, softcap, scale):
+def _bwd_chunk(z, g, bias, target, lse, drow, n0, v0, ignore_index, smoothing, vocab, softcap, scale,
+               on_triton):
     rows, cols = z.shape
     on_target, off_target = 1.0 - smoothing, smoothing / vocab
-    if not use_triton(z):
+    if not on_triton:
         g.copy_(_bwd_chunk_reference(z, bias, target, lse, drow, n0, v0, ignore_index, on_target,
                                      off_target, softcap, scale))
         return
@@ -234,6 +242,7 @@ def linear_cross_entropy_fwd(
     x, weight, target = x.contiguous(), weight.contiguous(), target.contiguous()
     n, h = x.shape
     vocab = weight.shape[0]
+    on_triton = x.is_cuda or use_triton(x)
     state = torch.zeros(4, n, device=x.device, dtype=torch.float32)
     state[0].fill_(float("-inf"))
     rows = _rows_per_pass(n, h)
@@ -245,7 +254,7 @@ def linear_cross_entropy_fwd(
             wc = weight[v0:v0 + cols]
             z = _view(zbuf, xs.shape[0], wc.shape[0])
             _mm_f32(xs, wc.T, z)
-            _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, logit_scale)
+            _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, logit_scale, on_triton)
     lse = state[0] + state[1].log()
     eps = label_smoothing
     loss = (1.0 - eps) * (lse - state[2]) + eps * (lse - state[3] / vocab)
@@ -270,6 +279,7 @@ def linear_cross_entropy_bwd(
     drow = drow.contiguous().float()
     n, h = x.shape
     vocab = weight.shape[0]
+    on_triton = x.is_cuda or use_triton(x)
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     dw = torch.empty_like(weight) if need_dw else weight.new_empty(0)
     db = torch.zeros(vocab, device=x.device, dtype=torch.float32) if need_db else x.new_empty(0)
@@ -290,7 +300,7 @@ def linear_cross_entropy_bwd(
                 z = _view(zbuf, xs.shape[0], wc.shape[0])
                 _mm_f32(xs, wc.T, z)
                 _bwd_chunk(z, g[:, v0 - g0:v0 - g0 + wc.shape[0]], bias, target, lse, drow, n0, v0,
-                           ignore_index, label_smoothing, vocab, softcap, logit_scale)
+                           ignore_index, label_smoothing, vocab, softcap, logit_scale, on_triton)
             if need_dx:
                 _addmm_f32_(acc, g, wg)
             if need_dw and n0 == 0:

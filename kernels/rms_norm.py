@@ -202,6 +202,24 @@ def _bwd_programs_per_sm(tile_elems: int) -> int:
     return max(1, min(8, 8192 // tile_elems))
 
 
+@functools.lru_cache(maxsize=1024)
+def _fwd_launch(m: int, d: int) -> tuple[int, int, int, int]:
+    """(programs, BLOCK_M, BLOCK_N, num_warps) of the forward on [m, d] rows (cached: host time)."""
+    block_n = _block_n(d)
+    block_m = _block_m(block_n, m)
+    return triton.cdiv(m, block_m), block_m, block_n, _num_warps(block_m * block_n)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_launch(m: int, d: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(persistent programs, BLOCK_M, BLOCK_N, num_warps) of the backward (cached: host time)."""
+    block_n = _block_n(d)
+    block_m = _block_m(block_n, m)
+    tile = block_m * block_n
+    grid = max(1, min(triton.cdiv(m, block_m), _num_sms(device) * _bwd_programs_per_sm(tile)))
+    return grid, block_m, block_n, _bwd_num_warps(tile)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as an [M, D] view with contiguous last dim (copied only when no such view exists)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -209,11 +227,24 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fits_triton(x: torch.Tensor) -> bool:
-    return use_triton(x) and x.dim() > 0 and 0 < x.shape[-1] <= _MAX_BLOCK_N and x.numel() > 0
+    # is_cuda first: an attribute read, where use_triton also reads the environment.
+    return (x.is_cuda or use_triton(x)) and x.dim() > 0 and 0 < x.shape[-1] <= _MAX_BLOCK_N and x.numel() > 0
 
 
-@torch.library.custom_op("fxfuse::rms_norm", mutates_args=())
-def rms_norm(
+_lib = torch.library.Library("fxfuse", "FRAGMENT")
+_lib.define(
+    "rms_norm(Tensor x, Tensor? weight, float eps, float offset, bool cast_before_weight, ScalarType out_dtype)"
+    " -> Tensor",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+_lib.define(
+    "rms_norm_backward(Tensor dy, Tensor x, Tensor? weight, float eps, float offset, bool compute_dw)"
+    " -> (Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+
+
+def _rms_norm(
     x: torch.Tensor,
     weight: Optional[torch.Tensor],
     eps: float,
@@ -221,29 +252,23 @@ def rms_norm(
     cast_before_weight: bool,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
+    """y [x.shape] out_dtype, contiguous (module doc)."""
     if not _fits_triton(x):
         return rms_norm_reference(x, weight, eps, offset, cast_before_weight, out_dtype)
     x2 = _rows(x)
     m, d = x2.shape
-    y = torch.empty((m, d), dtype=out_dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     w = weight.contiguous() if weight is not None else x2
-    block_n = _block_n(d)
-    block_m = _block_m(block_n, m)
-    _rms_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+    grid, block_m, block_n, num_warps = _fwd_launch(m, d)
+    _rms_norm_fwd_kernel[(grid,)](
         x2, w, y, m, d, x2.stride(0), eps, offset,
         HAS_WEIGHT=weight is not None, CAST_BEFORE_WEIGHT=cast_before_weight,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_num_warps(block_m * block_n),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
-    return y.view(x.shape)
+    return y
 
 
-@rms_norm.register_fake
-def _(x, weight, eps, offset, cast_before_weight, out_dtype):
-    return x.new_empty(x.shape, dtype=out_dtype)
-
-
-@torch.library.custom_op("fxfuse::rms_norm_backward", mutates_args=())
-def rms_norm_backward(
+def _rms_norm_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: Optional[torch.Tensor],
@@ -257,28 +282,38 @@ def rms_norm_backward(
         dx, dw = _rms_norm_backward_reference(dy, x, weight, eps, offset, compute_dw)
         return dx, dw if compute_dw else x.new_empty((0,))
     x2 = _rows(x)
-    dy2 = dy.reshape(x2.shape).contiguous()
     m, d = x2.shape
-    dx = torch.empty((m, d), dtype=x.dtype, device=x.device)
-    block_n = _block_n(d)
-    block_m = _block_m(block_n, m)
-    tile = block_m * block_n
-    grid = max(1, min(triton.cdiv(m, block_m), _num_sms(x.device) * _bwd_programs_per_sm(tile)))
+    dy2 = dy.reshape(m, d).contiguous()
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    grid, block_m, block_n, num_warps = _bwd_launch(m, d, x.device)
     partial = torch.empty((grid, d) if compute_dw else (1,), dtype=torch.float32, device=x.device)
     w = weight.contiguous() if weight is not None else x2
     _rms_norm_bwd_kernel[(grid,)](
         dy2, x2, w, dx, partial, m, d, x2.stride(0), eps, offset,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_STAGES=_bwd_num_stages(), num_warps=_bwd_num_warps(tile),
+        NUM_STAGES=_bwd_num_stages(), num_warps=num_warps,
     )
     if not compute_dw:
-        return dx.view(x.shape), x.new_empty((0,))
+        return dx, x.new_empty((0,))
     dw = torch.empty((d,), dtype=weight.dtype, device=x.device)
-    _dw_reduce_kernel[(triton.cdiv(d, _DW_BLOCK_D),)](partial, dw, grid, d, BLOCK_P=_DW_BLOCK_P, BLOCK_D=_DW_BLOCK_D)
-    return dx.view(x.shape), dw
+    dw_programs = (d + _DW_BLOCK_D - 1) // _DW_BLOCK_D
+    _dw_reduce_kernel[(dw_programs,)](partial, dw, grid, d, BLOCK_P=_DW_BLOCK_P, BLOCK_D=_DW_BLOCK_D)
+    return dx, dw
 
 
-@rms_norm_backward.register_fake
+# Plain Library registration, not torch.library.custom_op: custom_op's Python dispatch and
+# autograd wrapper cost ~100 us of CPU per call on the H200 host (more than the kernels at
+# medium sizes). CompositeExplicitAutograd, as custom_op registers: every backend runs _rms_norm.
+_lib.impl("rms_norm", _rms_norm, "CompositeExplicitAutograd")
+_lib.impl("rms_norm_backward", _rms_norm_backward, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fxfuse::rms_norm", lib=_lib)
+def _(x, weight, eps, offset, cast_before_weight, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+@torch.library.register_fake("fxfuse::rms_norm_backward", lib=_lib)
 def _(dy, x, weight, eps, offset, compute_dw):
     dx = x.new_empty(x.shape)
     if compute_dw and weight is not None:
@@ -286,23 +321,56 @@ def _(dy, x, weight, eps, offset, compute_dw):
     return dx, x.new_empty((0,))
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, eps, offset, _cast_before_weight, _out_dtype = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.eps = eps
-    ctx.offset = offset
+def _no_double_backward(op, outputs: tuple) -> tuple:
+    """create_graph=True: op's outputs, made to raise when differentiated (op has no derivative;
+    the message and its timing are those of the torch.library.custom_op this op used to be)."""
+    err = torch._C._functions.DelayedError(
+        f"Trying to backward through {op} but no autograd formula was registered. "
+        "Please use register_autograd to add one.", len(outputs))
+    return err(*[t.detach().requires_grad_() for t in outputs])
 
 
-def _backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if not (need_dx or need_dw):
-        return None, None, None, None, None, None
-    dx, dw = torch.ops.fxfuse.rms_norm_backward(grad, x, weight, ctx.eps, ctx.offset, need_dw)
-    return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
+_RMS_NORM = torch.ops.fxfuse.rms_norm.default
+_RMS_NORM_BACKWARD = torch.ops.fxfuse.rms_norm_backward.default
 
 
-rms_norm.register_autograd(_backward, setup_context=_setup_context)
+class _RMSNormFunction(torch.autograd.Function):
+    """Autograd of fxfuse::rms_norm; saves x and weight (rstd is recomputed in backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, cast_before_weight, out_dtype):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        ctx.offset = offset
+        with torch._C._AutoDispatchBelowAutograd():
+            return _RMS_NORM(x, weight, eps, offset, cast_before_weight, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_dx or need_dw):
+            return None, None, None, None, None, None
+        dx, dw = _RMS_NORM_BACKWARD(grad, x, weight, ctx.eps, ctx.offset, need_dw)
+        if torch.is_grad_enabled() and (grad.requires_grad or x.requires_grad
+                                        or (weight is not None and weight.requires_grad)):
+            dx, dw = _no_double_backward(_RMS_NORM_BACKWARD, (dx, dw))
+        return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
+
+
+def _rms_norm_autograd(x, weight, eps, offset, cast_before_weight, out_dtype):
+    # The autograd.Function only when a gradient can flow: its apply() costs tens of us of CPU.
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+        return _RMSNormFunction.apply(x, weight, eps, offset, cast_before_weight, out_dtype)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _RMS_NORM(x, weight, eps, offset, cast_before_weight, out_dtype)
+
+
+_lib.impl("rms_norm", _rms_norm_autograd, "Autograd")
+
+# The public callables: the ops (dispatch, autograd, torch.compile), not the bare host wrappers.
+rms_norm = _RMS_NORM
+rms_norm_backward = _RMS_NORM_BACKWARD
 
 
 def rms_norm_reference(

@@ -23,8 +23,7 @@ by int32 index arithmetic on the broadcast dims only, then 64-bit offsets.
 """
 from __future__ import annotations
 
-import contextlib
-import math
+import functools
 from typing import Optional
 
 import torch
@@ -133,14 +132,27 @@ def _rope_kernel(
                sko0, sko1, sko2, D, R, INTERLEAVED, BACKWARD, RNE_BY_HAND, BLOCK_MK, BLOCK_R, BLOCK_P)
 
 
+def _next_pow2(n: int) -> int:
+    """triton.next_power_of_2 for n >= 1 in plain Python (Triton's is a slower constexpr_function)."""
+    return 1 << (n - 1).bit_length()
+
+
 def _rows_per_tile(m: int, block_d: int) -> int:
     """Rows per loop step: ~1024-element tiles (H200 sweep: small tiles, many resident programs)."""
-    return max(1, min(triton.next_power_of_2(max(m, 1)), 1024 // block_d))
+    return max(1, min(_next_pow2(max(m, 1)), 1024 // block_d))
 
 
 def _num_warps(block_d: int) -> int:
     """2 warps: 64 threads x 16 elements (two 16-byte bf16 vectors) cover a 1024-element tile."""
     return max(2, min(8, block_d // 512))
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_meta(d: int, rotary_dim: int, mq: int, mk: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_MQ, BLOCK_MK, BLOCK_R, BLOCK_P, num_warps) for D, r and q's / k's rows per position."""
+    block_d = _next_pow2(d)
+    return (_rows_per_tile(mq, block_d), _rows_per_tile(mk, block_d), _next_pow2(rotary_dim),
+            _next_pow2(d - rotary_dim) if d > rotary_dim else 0, _num_warps(block_d))
 
 
 def _rne_by_hand(device: torch.device) -> bool:
@@ -158,121 +170,171 @@ def _check(x: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
                          f"D={d}, k D={k.shape[-1]}, rotary_dim={rotary_dim}")
     if cos.shape[-1] != rotary_dim:
         raise ValueError(f"fxfuse.rope: cos last dim {cos.shape[-1]} != rotary_dim {rotary_dim}")
-    for dim in range(3):
-        c = cos.shape[dim]
-        if c != 1 and (c != x.shape[dim] or c != k.shape[dim]):
+    for c, xs, ks in zip(cos.shape[:3], x.shape[:3], k.shape[:3]):
+        if c != 1 and (c != xs or c != ks):
             raise ValueError(f"fxfuse.rope: cos {tuple(cos.shape)} does not broadcast against "
                              f"q {tuple(x.shape)} and k {tuple(k.shape)} without expanding them")
 
 
+def _row_args(x, o, cos_shape, stand_in) -> tuple:
+    """_rope_kernel's arguments for one of q/k: (x, o, M, I1, I2, x strides (4), o strides (3)).
+    I = x's size on the dims cos broadcasts over, else 1; an absent x (None) has M = 0 rows."""
+    if x is None:  # any tensor stands in for the pointers
+        return (stand_in, stand_in, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0)
+    s0, s1, s2, _ = x.shape
+    i0 = s0 if cos_shape[0] == 1 else 1
+    i1 = s1 if cos_shape[1] == 1 else 1
+    i2 = s2 if cos_shape[2] == 1 else 1
+    o0, o1, o2, _ = o.stride()
+    return (x, o, i0 * i1 * i2, i1, i2, *x.stride(), o0, o1, o2)
+
+
 def _launch(q, k, cos, sin, interleaved: bool, rotary_dim: int, backward: bool):
     """Runs the kernel on q and/or k (None = absent); returns new contiguous outputs (or None)."""
-    present = [t for t in (q, k) if t is not None]
-    outs = [None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            for t in (q, k)]
-    n_pos = math.prod(cos.shape[:3])  # one program per cos position
-    if n_pos == 0 or all(t.numel() == 0 for t in present):
-        return outs
-    d = present[0].shape[-1]
-    block_d = triton.next_power_of_2(d)
-    args, blocks = [], []
-    for x, o in zip((q, k), outs):
-        if x is None:  # absent: zero rows; any tensor stands in for the pointers
-            args.append([present[0], present[0], 0, 1, 1, 0, 0, 0, 0, 0, 0, 0])
-            blocks.append(1)
-            continue
-        inner = [x.shape[i] if cos.shape[i] == 1 else 1 for i in range(3)]  # broadcast dims
-        m = math.prod(inner)
-        args.append([x, o, m, inner[1], inner[2], *x.stride(), *o.stride()[:3]])
-        blocks.append(_rows_per_tile(m, block_d))
-    device = present[0].device
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _rope_kernel[(n_pos,)](
-            args[0][0], args[0][1], args[1][0], args[1][1], cos, sin, *args[0][2:], *args[1][2:],
-            cos.shape[1], cos.shape[2], *cos.stride()[:3], cos.stride(3), *sin.stride(),
-            D=d, R=rotary_dim, INTERLEAVED=interleaved, BACKWARD=backward,
-            RNE_BY_HAND=_rne_by_hand(device), BLOCK_MQ=blocks[0], BLOCK_MK=blocks[1],
-            BLOCK_R=triton.next_power_of_2(rotary_dim),
-            BLOCK_P=triton.next_power_of_2(d - rotary_dim) if d > rotary_dim else 0,
-            num_warps=_num_warps(block_d),
-        )
-    return outs
+    x0 = q if q is not None else k
+    device = x0.device
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):  # Triton launches on the current device
+            return _launch(q, k, cos, sin, interleaved, rotary_dim, backward)
+    qo = None if q is None else torch.empty(q.shape, dtype=q.dtype, device=device)
+    ko = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=device)
+    cs = cos.shape
+    if cs[0] * cs[1] * cs[2] == 0 or ((q is None or q.numel() == 0) and (k is None or k.numel() == 0)):
+        return qo, ko
+    qa = _row_args(q, qo, cs, x0)
+    ka = _row_args(k, ko, cs, x0)
+    block_mq, block_mk, block_r, block_p, num_warps = _launch_meta(x0.shape[-1], rotary_dim, qa[2], ka[2])
+    _rope_kernel[(cs[0] * cs[1] * cs[2],)](  # one program per cos position
+        qa[0], qa[1], ka[0], ka[1], cos, sin, *qa[2:], *ka[2:],
+        cs[1], cs[2], *cos.stride(), *sin.stride(),
+        D=x0.shape[-1], R=rotary_dim, INTERLEAVED=interleaved, BACKWARD=backward,
+        RNE_BY_HAND=_rne_by_hand(device), BLOCK_MQ=block_mq, BLOCK_MK=block_mk,
+        BLOCK_R=block_r, BLOCK_P=block_p, num_warps=num_warps,
+    )
+    return qo, ko
 
 
-@torch.library.custom_op("fxfuse::rope", mutates_args=())
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         interleaved: bool, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+_lib = torch.library.Library("fxfuse", "FRAGMENT")
+_lib.define(
+    "rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, SymInt rotary_dim) -> (Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+_lib.define(
+    "rope_bwd(Tensor? dq, Tensor? dk, Tensor cos, Tensor sin, bool interleaved, SymInt rotary_dim)"
+    " -> (Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+
+
+def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          interleaved: bool, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(q', k'): q and k rotated by cos/sin on their first rotary_dim channels (module doc)."""
     _check(q, k, cos, sin, rotary_dim)
-    if use_triton(q):
-        qo, ko = _launch(q, k, cos, sin, interleaved, rotary_dim, backward=False)
-        return qo, ko
+    if q.is_cuda or use_triton(q):
+        return _launch(q, k, cos, sin, interleaved, rotary_dim, backward=False)
     qo, ko = rope_reference(q, k, cos, sin, interleaved, rotary_dim)
     return qo.contiguous(), ko.contiguous()
 
 
-@rope.register_fake
-def _(q, k, cos, sin, interleaved, rotary_dim):
-    return q.new_empty(q.shape), k.new_empty(k.shape)
-
-
-@torch.library.custom_op("fxfuse::rope_bwd", mutates_args=())
-def rope_bwd(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], cos: torch.Tensor,
-             sin: torch.Tensor, interleaved: bool, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_bwd(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], cos: torch.Tensor,
+              sin: torch.Tensor, interleaved: bool, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dk) from the output grads; an absent (None) grad gives an empty [0] tensor."""
     ref = dq if dq is not None else dk
     if ref is None:
         raise ValueError("fxfuse.rope_bwd: dq and dk are both None")
     _check(ref, dk if dk is not None else ref, cos, sin, rotary_dim)
-    if use_triton(ref):
-        outs = _launch(dq, dk, cos, sin, interleaved, rotary_dim, backward=True)
+    if ref.is_cuda or use_triton(ref):
+        dq, dk = _launch(dq, dk, cos, sin, interleaved, rotary_dim, backward=True)
     else:
-        outs = [None if g is None else _rotate_reference(g, cos, sin, interleaved, rotary_dim, True)
-                for g in (dq, dk)]
-    return tuple(cos.new_empty(0) if o is None else o.contiguous() for o in outs)
+        dq = None if dq is None else _rotate_reference(dq, cos, sin, interleaved, rotary_dim, True).contiguous()
+        dk = None if dk is None else _rotate_reference(dk, cos, sin, interleaved, rotary_dim, True).contiguous()
+    return (cos.new_empty(0) if dq is None else dq), (cos.new_empty(0) if dk is None else dk)
 
 
-@rope_bwd.register_fake
+# Plain Library registration, not torch.library.custom_op: custom_op's Python dispatch and
+# autograd wrapper cost ~0.3 ms of CPU per fwd+bwd on the H200 host, more than the kernels.
+# CompositeExplicitAutograd, as custom_op registers: every backend runs _rope / _rope_bwd.
+_lib.impl("rope", _rope, "CompositeExplicitAutograd")
+_lib.impl("rope_bwd", _rope_bwd, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fxfuse::rope", lib=_lib)
+def _(q, k, cos, sin, interleaved, rotary_dim):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@torch.library.register_fake("fxfuse::rope_bwd", lib=_lib)
 def _(dq, dk, cos, sin, interleaved, rotary_dim):
     return tuple(cos.new_empty(0) if g is None else g.new_empty(g.shape) for g in (dq, dk))
 
 
-def _backward(ctx, dq_out, dk_out):
-    if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-        raise RuntimeError("fxfuse.rope gives no gradient for cos/sin; do not use it when they "
-                           "require grad")
-    dq_out = dq_out if ctx.needs_input_grad[0] else None
-    dk_out = dk_out if ctx.needs_input_grad[1] else None
-    if dq_out is None and dk_out is None:
-        return None, None, None, None, None, None
-    cos, sin = ctx.saved_tensors
-    dq, dk = torch.ops.fxfuse.rope_bwd(dq_out, dk_out, cos, sin, ctx.interleaved, ctx.rotary_dim)
-    return (dq if dq_out is not None else None, dk if dk_out is not None else None,
-            None, None, None, None)
+def _no_double_backward(op, outputs: tuple) -> tuple:
+    """create_graph=True: op's outputs, made to raise when differentiated (op has no derivative;
+    the message and its timing are those of the torch.library.custom_op this op used to be)."""
+    err = torch._C._functions.DelayedError(
+        f"Trying to backward through {op} but no autograd formula was registered. "
+        "Please use register_autograd to add one.", len(outputs))
+    return err(*[t.detach().requires_grad_() for t in outputs])
 
 
-def _setup_context(ctx, inputs, output):
-    _, _, cos, sin, interleaved, rotary_dim = inputs
-    ctx.save_for_backward(cos, sin)
-    ctx.interleaved = interleaved
-    ctx.rotary_dim = rotary_dim
+_ROPE = torch.ops.fxfuse.rope.default
+_ROPE_BWD = torch.ops.fxfuse.rope_bwd.default
 
 
-rope.register_autograd(_backward, setup_context=_setup_context)
+class _RopeFunction(torch.autograd.Function):
+    """Autograd of fxfuse::rope; saves cos and sin only (the rotation is linear in q, k)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, interleaved, rotary_dim):
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        ctx.rotary_dim = rotary_dim
+        with torch._C._AutoDispatchBelowAutograd():
+            return _ROPE(q, k, cos, sin, interleaved, rotary_dim)
+
+    @staticmethod
+    def backward(ctx, dq_out, dk_out):
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            raise RuntimeError("fxfuse.rope gives no gradient for cos/sin; do not use it when they "
+                               "require grad")
+        dq_out = dq_out if ctx.needs_input_grad[0] else None
+        dk_out = dk_out if ctx.needs_input_grad[1] else None
+        if dq_out is None and dk_out is None:
+            return None, None, None, None, None, None
+        cos, sin = ctx.saved_tensors
+        dq, dk = _ROPE_BWD(dq_out, dk_out, cos, sin, ctx.interleaved, ctx.rotary_dim)
+        if torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in (dq_out, dk_out)):
+            dq, dk = _no_double_backward(_ROPE_BWD, (dq, dk))
+        return (dq if dq_out is not None else None, dk if dk_out is not None else None,
+                None, None, None, None)
 
 
-def _partner(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """x[..., p(i)] along the last dim (length r)."""
+def _rope_autograd(q, k, cos, sin, interleaved, rotary_dim):
+    # The autograd.Function only when a gradient can flow: its apply() costs tens of us of CPU.
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad
+                                    or sin.requires_grad):
+        return _RopeFunction.apply(q, k, cos, sin, interleaved, rotary_dim)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _ROPE(q, k, cos, sin, interleaved, rotary_dim)
+
+
+_lib.impl("rope", _rope_autograd, "Autograd")
+
+# The public callables: the ops (dispatch, autograd, torch.compile), not the bare host wrappers.
+rope = _ROPE
+rope_bwd = _ROPE_BWD
+
+
+def _signed_partner(y: torch.Tensor, interleaved: bool, backward: bool) -> torch.Tensor:
+    """s(i) * y[p(i)] (forward: rotate_half), or its transpose s(p(i)) * y[p(i)] (backward), along
+    the last dim (length r). Pairs (a, b) are the halves, or the even/odd channels if interleaved:
+    forward gives (-b, a) in their places, backward (b, -a). Negation is exact: the same bits as
+    multiplying by a sign vector, without building one per call."""
     if interleaved:
-        return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return x.roll(x.shape[-1] // 2, dims=-1)
-
-
-def _sign(r: int, interleaved: bool, device) -> torch.Tensor:
-    """s(i) as an fp32 [r] vector."""
-    if interleaved:
-        return torch.tensor([-1.0, 1.0], device=device).repeat(r // 2)
-    return torch.tensor([-1.0, 1.0], device=device).repeat_interleave(r // 2)
+        a, b = y[..., 0::2], y[..., 1::2]
+        return torch.stack((b, -a) if backward else (-b, a), dim=-1).flatten(-2)
+    a, b = y.chunk(2, dim=-1)
+    return torch.cat((b, -a) if backward else (-b, a), dim=-1)
 
 
 def _rotate_reference(x, cos, sin, interleaved: bool, rotary_dim: int, backward: bool):
@@ -280,11 +342,10 @@ def _rotate_reference(x, cos, sin, interleaved: bool, rotary_dim: int, backward:
     wide = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for an fp64 reference
     xf = x.to(wide)
     xr, c, s = xf[..., :rotary_dim], cos.to(wide), sin.to(wide)
-    sign = _sign(rotary_dim, interleaved, x.device)
     if backward:
-        rot = xr * c + _partner(sign * xr * s, interleaved)
+        rot = xr * c + _signed_partner(xr * s, interleaved, True)
     else:
-        rot = xr * c + sign * _partner(xr, interleaved) * s
+        rot = xr * c + _signed_partner(xr, interleaved, False) * s
     return torch.cat((rot, xf[..., rotary_dim:]), dim=-1).to(x.dtype)
 
 

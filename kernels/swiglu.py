@@ -24,6 +24,8 @@ Outputs and gradients are new contiguous tensors.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -192,6 +194,18 @@ def _launch_grid(m: int, n: int, block_m: int, block_n: int) -> tuple[int, int]:
     return (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
 
 
+@functools.lru_cache(maxsize=1024)
+def _launch_config(m: int, n: int, act_id: int) -> tuple[tuple[int, int], int, int, int]:
+    """(grid, BLOCK_M, BLOCK_N, num_warps) for [m, n] rows (cached: sizing costs host time per call)."""
+    bn = _block_n(n, _max_tile(act_id))
+    bm = _block_m(bn, _max_tile(act_id))
+    return _launch_grid(m, n, bm, bn), bm, bn, _num_warps(bm, bn)
+
+
+def _on_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or use_triton(t)  # is_cuda first: use_triton also reads the environment
+
+
 _lib = torch.library.Library("fxfuse", "FRAGMENT")
 _lib.define("swiglu(Tensor gate, Tensor up, str act) -> Tensor")
 _lib.define(
@@ -203,7 +217,7 @@ _lib.define(
 def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
     """act(gate) * up with fp32 math; gate, up: [..., I] same shape/dtype; out: contiguous [..., I]."""
     act_id = _check_args(gate, up, act)
-    if not use_triton(gate):
+    if not _on_triton(gate):
         return _swiglu_reference(gate, up, act)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
@@ -211,11 +225,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
     g2, sg = _rows(gate)
     u2, su = _rows(up)
     m, n = g2.shape
-    bn = _block_n(n, _max_tile(act_id))
-    bm = _block_m(bn, _max_tile(act_id))
-    _swiglu_fwd_kernel[_launch_grid(m, n, bm, bn)](
+    grid, bm, bn, num_warps = _launch_config(m, n, act_id)
+    _swiglu_fwd_kernel[grid](
         g2, u2, out, m, n, sg, su,
-        ACT=act_id, RNE_BY_BITS=_rne_by_bits(out), BLOCK_M=bm, BLOCK_N=bn, num_warps=_num_warps(bm, bn),
+        ACT=act_id, RNE_BY_BITS=_rne_by_bits(out), BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
     )
     return out
 
@@ -225,7 +238,7 @@ def swiglu_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dgate, dup), each [..., I] contiguous; a gradient not asked for comes back as an empty [0] tensor."""
     act_id = _check_act(act)
-    if not use_triton(gate):
+    if not _on_triton(gate):
         return _swiglu_backward_reference(grad_out, gate, up, act, need_dgate, need_dup)
     dgate = torch.empty(gate.shape if need_dgate else (0,), dtype=gate.dtype, device=gate.device)
     dup = torch.empty(gate.shape if need_dup else (0,), dtype=gate.dtype, device=gate.device)
@@ -235,12 +248,11 @@ def swiglu_backward(
     g2, sg = _rows(gate)
     u2, su = _rows(up)
     m, n = g2.shape
-    bn = _block_n(n, _max_tile(act_id))
-    bm = _block_m(bn, _max_tile(act_id))
-    _swiglu_bwd_kernel[_launch_grid(m, n, bm, bn)](
+    grid, bm, bn, num_warps = _launch_config(m, n, act_id)
+    _swiglu_bwd_kernel[grid](
         d2, g2, u2, dgate, dup, m, n, sd, sg, su,
         ACT=act_id, NEED_DGATE=need_dgate, NEED_DUP=need_dup, RNE_BY_BITS=_rne_by_bits(gate),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=_num_warps(bm, bn),
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
     )
     return dgate, dup
 
@@ -265,6 +277,10 @@ def _(grad_out, gate, up, act, need_dgate, need_dup):
     return gate.new_empty(gate.shape if need_dgate else (0,)), gate.new_empty(gate.shape if need_dup else (0,))
 
 
+_SWIGLU = torch.ops.fxfuse.swiglu.default
+_SWIGLU_BACKWARD = torch.ops.fxfuse.swiglu_backward.default
+
+
 class _SwiGLUFunction(torch.autograd.Function):
     """Autograd of fxfuse::swiglu; saves only gate and up (act(gate) is recomputed in backward)."""
 
@@ -273,7 +289,7 @@ class _SwiGLUFunction(torch.autograd.Function):
         ctx.save_for_backward(gate, up)
         ctx.act = act
         with torch._C._AutoDispatchBelowAutograd():
-            return torch.ops.fxfuse.swiglu(gate, up, act)
+            return _SWIGLU(gate, up, act)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -281,7 +297,7 @@ class _SwiGLUFunction(torch.autograd.Function):
         need_dgate, need_dup = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dgate or need_dup):
             return None, None, None
-        dgate, dup = torch.ops.fxfuse.swiglu_backward(grad_out, gate, up, ctx.act, need_dgate, need_dup)
+        dgate, dup = _SWIGLU_BACKWARD(grad_out, gate, up, ctx.act, need_dgate, need_dup)
         return (dgate if need_dgate else None), (dup if need_dup else None), None
 
 
@@ -290,7 +306,7 @@ def _swiglu_autograd(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Te
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _SwiGLUFunction.apply(gate, up, act)
     with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.fxfuse.swiglu(gate, up, act)
+        return _SWIGLU(gate, up, act)
 
 
 _lib.impl("swiglu", _swiglu_autograd, "Autograd")
