@@ -27,9 +27,11 @@ def _fakify(gm: fx.GraphModule, example_inputs, fake_mode):
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out = []
     for i, x in enumerate(example_inputs):
+        dynamo_val = phs[i].meta.get("example_value") if i < len(phs) else None
         if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor):
-            fake = fake_mode.from_tensor(x, symbolic_context=contexts.get(x))
-            dynamo_val = phs[i].meta.get("example_value") if i < len(phs) else None
+            # the placeholder's source names any size symbol this creates (Dynamo's guards need one)
+            source = getattr(phs[i], "_dynamo_source", None) if i < len(phs) else None
+            fake = fake_mode.from_tensor(x, symbolic_context=contexts.get(x), source=source)
             if getattr(dynamo_val, "item_memo", None) is not None and fake.item_memo is None:
                 fake.item_memo = dynamo_val.item_memo
             out.append(fake)

@@ -77,8 +77,12 @@ def check(m) -> str | None:
         return "no shape/dtype information on the input"
     if x.dim() != 4:
         return f"input has {x.dim()} dims; the kernel rotates [B, H, T, D] or [B, T, H, D]"
-    if x.dtype not in SUPPORTED or out.dtype != x.dtype:
-        return f"dtype {x.dtype} -> {out.dtype} not supported (float32, bfloat16, float16 in and out)"
+    if x.dtype not in SUPPORTED or out.dtype not in SUPPORTED:
+        return f"dtype {x.dtype} -> {out.dtype} not supported (float32, bfloat16, float16)"
+    tables = [val(t) for t in _tables(m)]
+    promoted = torch.promote_types(x.dtype, tables[0].dtype) if tables[0] is not None else x.dtype
+    if out.dtype not in (x.dtype, promoted):
+        return f"output dtype {out.dtype} is neither the input's {x.dtype} nor its promotion with cos/sin"
     if x.device.type not in ("cuda", "cpu"):
         return f"device {x.device} not supported"
     for node in _tables(m):
@@ -99,6 +103,8 @@ def group(matches: list) -> list[list]:
         by_tables.setdefault((m.consts["form"], *map(_same_value_key, _tables(m))), []).append(m)
     out = []
     for ms in by_tables.values():
+        first = val(ms[0].anchor).dtype
+        ms.sort(key=lambda m: val(m.anchor).dtype != first)  # pair rotations of equal output dtype
         out += [ms[i:i + 2] for i in range(0, len(ms), 2)]
     return out
 
@@ -136,14 +142,21 @@ def _per_channel(graph: fx.Graph, m) -> tuple[fx.Node, fx.Node]:
     return tabs[0], tabs[1]
 
 
+def _as(graph: fx.Graph, x: fx.Node, dtype: torch.dtype) -> fx.Node:
+    return x if val(x).dtype == dtype else graph.call_function(aten.to.dtype, (x, dtype))
+
+
 def lower_group(ms: list, graph: fx.Graph) -> list[fx.Node]:
     import fxfuse.kernels.rope  # noqa: F401  registers torch.ops.fxfuse.rope
 
     cos, sin = _per_channel(graph, ms[0])
-    q = ms[0].inputs["x"]
-    k = ms[1].inputs["x"] if len(ms) == 2 else q  # a lone rotation rotates its input twice
+    # under autocast q/k are bf16 but cos/sin fp32: eager's product is fp32, so rotate in fp32
+    out_dtype = val(ms[0].anchor).dtype
+    q, k = (_as(graph, m.inputs["x"], out_dtype) for m in (ms[0], ms[-1]))
+    k = k if len(ms) == 2 else q  # a lone rotation rotates its input twice
     interleaved = ms[0].consts["form"] in ("complex", "pairs", "interleaved")
-    pair = graph.call_function(torch.ops.fxfuse.rope.default, (q, k, cos, sin, interleaved, int(val(q).shape[-1])))
+    d = int(val(ms[0].inputs["x"]).shape[-1])
+    pair = graph.call_function(torch.ops.fxfuse.rope.default, (q, k, cos, sin, interleaved, d))
     return [graph.call_function(operator.getitem, (pair, i)) for i in range(len(ms))]
 
 

@@ -59,14 +59,15 @@ def loss_and_grads(model: nn.Module, inputs: dict, loss_fn=None, call=None):
     return loss.detach(), grads
 
 
-def compiled_parity(model: nn.Module, inputs: dict, inner: str = "aot_eager", loss_fn=None, **compile_kw):
+def compiled_parity(model: nn.Module, inputs: dict, inner: str = "aot_eager", loss_fn=None, options=None,
+                    **compile_kw):
     """Eager vs fxfuse-compiled loss and grads on copies of the same model.
     Returns (loss rel err, worst grad rel err, report, grad names compared)."""
     eager = copy.deepcopy(model)
     ref_loss, ref_grads = loss_and_grads(eager, inputs, loss_fn)
     mine = copy.deepcopy(model)
     n0 = len(fxfuse.compiled_reports())
-    compiled = torch.compile(mine, backend="fxfuse", options={"inner": inner}, **compile_kw)
+    compiled = torch.compile(mine, backend="fxfuse", options={"inner": inner} | (options or {}), **compile_kw)
     loss, grads = loss_and_grads(mine, inputs, loss_fn, call=compiled)
     assert grads.keys() == ref_grads.keys(), "compiled model produced gradients for other parameters"
     worst = max(rel_err(grads[k], ref_grads[k]) for k in ref_grads)

@@ -99,3 +99,13 @@ def test_cos_requiring_grad_is_not_fused():
     report = fxfuse.explain(Learned(), q, k)
     assert report.counts()["rope"] == 0
     assert any("require grad" in s.reason for s in report.unmatched if s.pattern == "rope"), str(report)
+
+
+def test_autocast_rotation_in_fp32_is_fused():
+    """Under bf16 autocast q/k come from the linears in bf16 while HF's cos/sin stay fp32: eager's
+    rotation is fp32. The fused call rotates q/k upcast to fp32; its gradients round once where
+    eager rounds each path's: errors against fp32 within 2x eager's."""
+    (e_loss, e_grad), (f_loss, f_grad) = bf16_errors(lambda dt: hf_model("llama", dtype=dt), batch(),
+                                                      autocast=True, patterns=["rope"])
+    assert fxfuse.last_report().counts()["rope"] == 2, str(fxfuse.last_report())
+    assert f_loss <= 2 * e_loss and f_grad <= 2 * e_grad, ((e_loss, e_grad), (f_loss, f_grad))
