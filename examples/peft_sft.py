@@ -57,12 +57,12 @@ def sft(model, out: str, steps: int = 3, patch_options: dict | None = None):
     from trl import SFTConfig, SFTTrainer
 
     if patch_options is not None:
-        fxfuse.patch(model, dynamic=False, **patch_options)  # dynamic=False: see "Not yet" in README
+        fxfuse.patch(model, **patch_options)
     args = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=2, gradient_accumulation_steps=1,
                      learning_rate=1e-2, optim="sgd", lr_scheduler_type="constant", logging_steps=1,
                      save_strategy="no", report_to="none", use_cpu=True, max_length=32, seed=0, data_seed=0,
                      dataloader_num_workers=0,
-                     gradient_checkpointing=False)  # TRL's default True: see "Not yet" in README Integrations
+                     gradient_checkpointing=False)  # checkpointed graphs stay unfused: see README Integrations
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}),
                          processing_class=char_tokenizer())
     trainer.train()
