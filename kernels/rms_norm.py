@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
+from ._dispatch import no_double_backward, use_triton
 
 _MAX_BLOCK_N = 65536
 # dw reduction of the [P, D] partials: a [32, 128] fp32 tile per step, D / 128 programs.
@@ -321,15 +321,6 @@ def _(dy, x, weight, eps, offset, compute_dw):
     return dx, x.new_empty((0,))
 
 
-def _no_double_backward(op, outputs: tuple) -> tuple:
-    """create_graph=True: op's outputs, made to raise when differentiated (op has no derivative;
-    the message and its timing are those of the torch.library.custom_op this op used to be)."""
-    err = torch._C._functions.DelayedError(
-        f"Trying to backward through {op} but no autograd formula was registered. "
-        "Please use register_autograd to add one.", len(outputs))
-    return err(*[t.detach().requires_grad_() for t in outputs])
-
-
 _RMS_NORM = torch.ops.fxfuse.rms_norm.default
 _RMS_NORM_BACKWARD = torch.ops.fxfuse.rms_norm_backward.default
 
@@ -354,7 +345,7 @@ class _RMSNormFunction(torch.autograd.Function):
         dx, dw = _RMS_NORM_BACKWARD(grad, x, weight, ctx.eps, ctx.offset, need_dw)
         if torch.is_grad_enabled() and (grad.requires_grad or x.requires_grad
                                         or (weight is not None and weight.requires_grad)):
-            dx, dw = _no_double_backward(_RMS_NORM_BACKWARD, (dx, dw))
+            dx, dw = no_double_backward(_RMS_NORM_BACKWARD, (dx, dw))
         return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
 
 

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
+from ._dispatch import no_double_backward, use_triton
 
 
 @triton.jit
@@ -268,15 +268,6 @@ def _(dq, dk, cos, sin, interleaved, rotary_dim):
     return tuple(cos.new_empty(0) if g is None else g.new_empty(g.shape) for g in (dq, dk))
 
 
-def _no_double_backward(op, outputs: tuple) -> tuple:
-    """create_graph=True: op's outputs, made to raise when differentiated (op has no derivative;
-    the message and its timing are those of the torch.library.custom_op this op used to be)."""
-    err = torch._C._functions.DelayedError(
-        f"Trying to backward through {op} but no autograd formula was registered. "
-        "Please use register_autograd to add one.", len(outputs))
-    return err(*[t.detach().requires_grad_() for t in outputs])
-
-
 _ROPE = torch.ops.fxfuse.rope.default
 _ROPE_BWD = torch.ops.fxfuse.rope_bwd.default
 
@@ -304,7 +295,7 @@ class _RopeFunction(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         dq, dk = _ROPE_BWD(dq_out, dk_out, cos, sin, ctx.interleaved, ctx.rotary_dim)
         if torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in (dq_out, dk_out)):
-            dq, dk = _no_double_backward(_ROPE_BWD, (dq, dk))
+            dq, dk = no_double_backward(_ROPE_BWD, (dq, dk))
         return (dq if dq_out is not None else None, dk if dk_out is not None else None,
                 None, None, None, None)
 
