@@ -14,9 +14,6 @@ from torch._guards import TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-# placeholder metadata Dynamo and AOTAutograd read back (sources, static-input detection)
-_DYNAMO_GM_ATTRS = ("_param_name_to_source",)
-
 
 def _fakify(gm: fx.GraphModule, example_inputs, fake_mode):
     """Fake copies of the real example inputs in Dynamo's fake mode, with Dynamo's symbolic sizes.
@@ -68,9 +65,14 @@ def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     aten_gm.graph.eliminate_dead_code()  # make_fx leaves dead aten.detach nodes
     aten_gm.recompile()
     aten_gm.meta.update(gm.meta)
-    for attr in _DYNAMO_GM_ATTRS:
-        if hasattr(gm, attr):
-            setattr(aten_gm, attr, getattr(gm, attr))
+    if hasattr(gm, "_param_name_to_source"):
+        # tensor constants the re-trace lifted (a KV cache's initial tensors) need a source too
+        from torch._dynamo.source import ConstantSource
+
+        sources = dict(gm._param_name_to_source)
+        for name, _ in [*aten_gm.named_parameters(), *aten_gm.named_buffers()]:
+            sources.setdefault(name, ConstantSource(name))
+        aten_gm._param_name_to_source = sources
     old = [n for n in gm.graph.nodes if n.op == "placeholder"]
     new = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
     grad_on = torch.is_grad_enabled()

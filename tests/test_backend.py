@@ -219,3 +219,12 @@ def test_custom_autograd_function_graph_stays_unfused_with_correct_grads():
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref[n])
     assert "autograd_function_apply" in fxfuse.last_report().errors[0]
+
+
+def test_kv_cache_constants_in_the_graph():
+    """use_cache=True puts the cache's initial tensors in the graph as constants; the re-traced
+    graph must still give AOTAutograd a source for each."""
+    model = hf_model("llama", use_cache=True)
+    loss_err, grad_err, report, _ = compiled_parity(model, batch())
+    assert report.counts() == {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}
+    assert not report.errors and loss_err < 1e-5 and grad_err < 1e-5
