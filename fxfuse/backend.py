@@ -50,7 +50,16 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
     aten_gm, report = transform(gm, example_inputs, opts)
     _REPORTS.append((str(gm.meta.get("dynamo_compile_id", "")), report))
     log.info("%s", report)
-    return wrap_outputs(inner_compile(aten_gm, example_inputs, opts, mode), report.skipped_outputs)
+    if aten_gm is gm:  # transform left the graph unfused
+        return inner_compile(gm, example_inputs, opts, mode)
+    try:
+        compiled = inner_compile(aten_gm, example_inputs, opts, mode)
+    except Exception as e:  # fail safe: never fail the user's compile because of the rewrite
+        log.warning("fxfuse: the rewritten graph failed to compile (%s: %s); compiling it unfused", type(e).__name__, e)
+        report.matched, report.skipped_outputs = [], []
+        report.errors.append(f"rewritten graph failed in the inner compiler, compiled unfused: {type(e).__name__}: {e}")
+        return inner_compile(gm, example_inputs, opts, mode)
+    return wrap_outputs(compiled, report.skipped_outputs)
 
 
 def inner_compile(gm: fx.GraphModule, example_inputs, opts: Options, mode: str | None):

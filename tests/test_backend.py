@@ -228,3 +228,22 @@ def test_kv_cache_constants_in_the_graph():
     loss_err, grad_err, report, _ = compiled_parity(model, batch())
     assert report.counts() == {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}
     assert not report.errors and loss_err < 1e-5 and grad_err < 1e-5
+
+
+def test_inner_compile_failure_falls_back_to_the_unfused_graph(monkeypatch):
+    import fxfuse.backend as backend
+
+    real = backend.inner_compile
+
+    def picky(gm, example_inputs, opts, mode):
+        if "fxfuse" in gm.code:
+            raise RuntimeError("inner compiler rejects the rewritten graph")
+        return real(gm, example_inputs, opts, mode)
+
+    monkeypatch.setattr(backend, "inner_compile", picky)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8))
+    x = torch.randn(3, 8)
+    out = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})(x)
+    torch.testing.assert_close(out, model(x))
+    report = fxfuse.last_report()
+    assert report.counts()["rms_norm"] == 0 and "inner compiler rejects" in report.errors[0]
