@@ -82,7 +82,7 @@ class Report:
 
 
 def _table(title: str, sites: list[Site], cols: tuple[str, ...]) -> str:
-    rows = [[str(getattr(s, c)) for c in cols] for s in sites]
+    rows = [[str(getattr(s, c)) or ("(root)" if c == "module" else "") for c in cols] for s in sites]
     widths = [min(60, max(len(c), *(len(r[i]) for r in rows))) for i, c in enumerate(cols)]
     fmt = lambda r: "  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731
     return "\n".join([f"{title}:", fmt(cols), *map(fmt, rows)])
