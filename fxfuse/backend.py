@@ -23,6 +23,15 @@ _REPORTS: list[tuple[str, Report]] = []  # (Dynamo compile id, report) of every 
 _graph_ids = itertools.count()
 
 
+def _dynamo_control_flow(e: Exception) -> bool:
+    """Exceptions Dynamo raises on purpose to restart or skip (e.g. TensorifyScalarRestartAnalysis
+    under dynamic shapes): they must reach Dynamo, not the fail-safe."""
+    from torch._dynamo import exc
+
+    kinds = tuple(k for k in (getattr(exc, "RestartAnalysis", None), getattr(exc, "SkipFrame", None)) if k)
+    return isinstance(e, kinds)
+
+
 def selected_patterns(names):
     from fxfuse.patterns import all_patterns
 
@@ -37,6 +46,8 @@ def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.Gra
         before = aten_gm.code if opts.debug_dir else ""
         report = rewrite(aten_gm, selected_patterns(opts.patterns), skip_escapes=opts.logits == "skip")
     except Exception as e:
+        if _dynamo_control_flow(e):
+            raise
         log.warning("fxfuse: graph left unfused: %s: %s", type(e).__name__, e)
         report = Report(graphs=1, errors=[f"graph left unfused: {type(e).__name__}: {e}"])
         return gm, report
@@ -55,6 +66,8 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
     try:
         compiled = inner_compile(aten_gm, example_inputs, opts, mode)
     except Exception as e:  # fail safe: never fail the user's compile because of the rewrite
+        if _dynamo_control_flow(e):
+            raise
         log.warning("fxfuse: the rewritten graph failed to compile (%s: %s); compiling it unfused", type(e).__name__, e)
         report.matched, report.skipped_outputs = [], []
         report.errors.append(f"rewritten graph failed in the inner compiler, compiled unfused: {type(e).__name__}: {e}")
