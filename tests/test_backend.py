@@ -247,3 +247,12 @@ def test_inner_compile_failure_falls_back_to_the_unfused_graph(monkeypatch):
     torch.testing.assert_close(out, model(x))
     report = fxfuse.last_report()
     assert report.counts()["rms_norm"] == 0 and "inner compiler rejects" in report.errors[0]
+
+
+def test_explain_command_prints_json(capsys):
+    from fxfuse.cli import main
+
+    assert main(["explain", "qwen2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["counts"] == {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}
+    assert all(s["module"] or s["pattern"] == "linear_cross_entropy" for s in data["matched"])
