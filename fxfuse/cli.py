@@ -14,19 +14,18 @@ import sys
 
 import torch
 
-DEMO_CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                   use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# sizes on top of fxfuse.zoo.TINY: large enough to show the saved bytes, small enough for a CPU
+DEMO_CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, head_dim=16, max_position_embeddings=128)
 
 
 def build_model(spec: str, dtype: torch.dtype, device: str):
-    """An HF causal LM with random weights from a model type ("llama") or a config.json path."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """An HF causal LM with random weights from a model type ("llama", DEMO_CONFIG sizes on top of the
+    zoo's per-architecture settings) or a config.json path."""
+    from transformers import AutoModelForCausalLM
 
-    if spec.endswith(".json"):
-        cfg = AutoConfig.from_pretrained(spec)
-    else:
-        cfg = AutoConfig.for_model(spec, **DEMO_CONFIG)
+    from .zoo import hf_config
+
+    cfg = hf_config(spec) if spec.endswith(".json") else hf_config(spec, **DEMO_CONFIG)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype)
 
@@ -37,36 +36,27 @@ def _inputs(model, device: str, batch: int = 2, seq: int = 32) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def _step(model, call, inputs):
-    model.zero_grad(set_to_none=True)
-    loss = call(**inputs).loss
-    loss.backward()
-    return loss.detach().double(), {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _rel(a, b) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def demo(args) -> int:
     import fxfuse
+
+    from .harness import grad_error, rel_err, step
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     model = build_model(args.model, dtype, device)
     inputs = _inputs(model, device)
-    ref_loss, ref_grads = _step(model, model, inputs)
+    ref_loss, ref_grads = step(model, model, inputs)
     mine = copy.deepcopy(model)
     n0 = len(fxfuse.compiled_reports())
     compiled = torch.compile(mine, backend="fxfuse", options={"inner": args.inner})
-    loss, grads = _step(mine, compiled, inputs)
+    loss, grads = step(mine, compiled, inputs)
     report = fxfuse.Report.merge(fxfuse.compiled_reports()[n0:])
     print(report)
-    worst = max(_rel(grads[k], ref_grads[k]) for k in ref_grads)
+    worst = grad_error(grads, ref_grads)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    ok = _rel(loss, ref_loss) < tol and worst < tol and grads.keys() == ref_grads.keys()
+    ok = rel_err(loss, ref_loss) < tol and worst < tol
     print(f"parity ({args.model}, {device}, {args.dtype}, inner={args.inner}): loss eager {ref_loss.item():.6f} "
-          f"fxfuse {loss.item():.6f} rel err {_rel(loss, ref_loss):.2e}; worst of {len(ref_grads)} gradients "
+          f"fxfuse {loss.item():.6f} rel err {rel_err(loss, ref_loss):.2e}; worst of {len(ref_grads)} gradients "
           f"rel err {worst:.2e} -> {'OK' if ok else 'MISMATCH'}")
     return 0 if ok else 1
 

@@ -68,7 +68,7 @@ def expected_sites(model: nn.Module, inputs: dict, has_loss_head: bool) -> dict[
     return calls
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
@@ -85,11 +85,12 @@ def grad_error(grads: dict, ref: dict) -> float:
         if r.double().norm().item() < ZERO_REL * total:
             worst = max(worst, 0.0 if grads[k].double().norm().item() < ZERO_REL * total else float("inf"))
         else:
-            worst = max(worst, _rel(grads[k], r))
+            worst = max(worst, rel_err(grads[k], r))
     return worst
 
 
-def _step(model, call, inputs, loss_of):
+def step(model, call, inputs, loss_of=lambda out: out.loss):
+    """Loss of call(**inputs) and the gradients of model's parameters after backward."""
     model.zero_grad(set_to_none=True)
     loss = loss_of(call(**inputs))
     loss.backward()
@@ -153,11 +154,11 @@ def check(name: str, build: Callable[[], nn.Module], inputs: dict, loss_of=lambd
         if isinstance(m, nn.Dropout):
             m.p = 0.0
     expected = expected_sites(model, inputs, has_loss_head)
-    ref_loss, ref_grads = _step(model, model, inputs, loss_of)
+    ref_loss, ref_grads = step(model, model, inputs, loss_of)
     mine = copy.deepcopy(model)
     n0 = len(fxfuse.compiled_reports())
     compiled = torch.compile(mine, backend="fxfuse", options={"inner": inner})
-    loss, grads = _step(mine, compiled, inputs, loss_of)
+    loss, grads = step(mine, compiled, inputs, loss_of)
     report = Report.merge(fxfuse.compiled_reports()[n0:])
     grad_err = grad_error(grads, ref_grads)
     bf16 = None
@@ -172,4 +173,4 @@ def check(name: str, build: Callable[[], nn.Module], inputs: dict, loss_of=lambd
     for s in report.unmatched:
         reasons.setdefault(s.pattern, []).append(s.reason)
     reasons.update({"graph": report.errors} if report.errors else {})
-    return Result(name, expected, report.counts(), _rel(loss, ref_loss), grad_err, bf16, reasons)
+    return Result(name, expected, report.counts(), rel_err(loss, ref_loss), grad_err, bf16, reasons)

@@ -84,7 +84,8 @@ class GraphMatcher:
         self.rview = self.view.reverse(copy=False)
         self.order = {n: i for i, n in enumerate(graph.nodes)}
 
-    def find(self, pattern: Pattern, claimed: set[fx.Node]) -> tuple[list[Match], list[Miss]]:
+    def find(self, pattern: Pattern) -> tuple[list[Match], list[Miss]]:
+        claimed: set[fx.Node] = set()  # FX nodes inside accepted matches
         pgraphs = [pg for v in pattern.variants for pg in trace_variant(pattern, v)]
         pgraphs.sort(key=lambda pg: -pg.graph.number_of_nodes())  # most specific spelling first
         matches: list[Match] = []

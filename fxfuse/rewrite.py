@@ -139,7 +139,7 @@ def rewrite(gm: fx.GraphModule, patterns: list[Pattern], skip_escapes: bool = Fa
     report = Report(graphs=1)
     skipped: list[fx.Node] = []
     for pattern in patterns:
-        matches, misses = GraphMatcher(gm.graph).find(pattern, claimed=set())
+        matches, misses = GraphMatcher(gm.graph).find(pattern)
         for group, where in _placed_groups(pattern, matches, gm.graph):
             first = group[0].anchor
             variant = "+".join(dict.fromkeys(m.variant.name for m in group))

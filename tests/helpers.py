@@ -8,9 +8,8 @@ import torch.nn as nn
 
 import fxfuse
 
-TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, use_cache=False,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+from fxfuse.harness import rel_err  # noqa: F401  (re-exported for the tests)
+from fxfuse.zoo import TINY
 
 
 def hf_model(model_type: str, dtype=torch.float32, seed: int = 0, **overrides) -> nn.Module:
@@ -42,11 +41,6 @@ def count_calls(model: nn.Module, is_site, *args, **kwargs) -> int:
 
 def is_rms_norm(m: nn.Module) -> bool:
     return isinstance(m, nn.RMSNorm) or type(m).__name__.endswith("RMSNorm")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def loss_and_grads(model: nn.Module, inputs: dict, loss_fn=None, call=None):
