@@ -5,6 +5,7 @@
 #   bash bench/run_all.sh rms_norm swiglu          # only these (BENCH_TIMEOUT=seconds per script)
 #   E2E_MODELS=llama-1b bash bench/run_all.sh e2e  # end-to-end training audit (bench/e2e.py), only when
 #                                                  # named; one model per 10-minute call (E2E_ARGS=extra flags)
+#   bash bench/run_all.sh fsdp2                    # 2-GPU FSDP2 step (examples/fsdp2_bench.py), only when named
 # fxfuse is installed into /tmp/site (not editable: the image has no network for build deps) and
 # scripts run by path, so the repo's fxfuse/ folder never shadows the installed package.
 set -u
@@ -31,4 +32,11 @@ if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" e2e "* ]]; then
   # shellcheck disable=SC2086
   timeout "${E2E_TIMEOUT:-570}" python3 "$repo/bench/e2e.py" ${E2E_MODELS:+--models "$E2E_MODELS"} ${E2E_ARGS:-} \
     --out "$out/e2e" 2>&1 | tee -a "$out/e2e.log" | grep -v Warning
+fi
+if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" fsdp2 "* ]]; then
+  for impl in ${FSDP_IMPLS:-eager inductor liger fxfuse}; do
+    echo "== fsdp2 $impl"
+    timeout "${FSDP_TIMEOUT:-240}" python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
+      "$repo/examples/fsdp2_bench.py" --impl "$impl" 2>&1 | tee -a "$out/fsdp2.log" | grep -v Warning
+  done
 fi

@@ -1,13 +1,14 @@
-"""NOT YET RUN (written without GPU time): FSDP2 training step on 2 GPUs, bf16, Llama-3.2-1B-like,
-fxfuse vs Inductor vs Liger (eager): peak memory per GPU and median step time.
+"""FSDP2 training step on 2 GPUs, bf16, Llama-3.2-1B-like, eager vs Inductor vs Liger (eager) vs
+fxfuse: peak memory per GPU and median step time (results: bench/RESULTS.md).
 
-    torchrun --nproc_per_node 2 examples/fsdp2_bench.py --impl fxfuse|inductor|liger [--batch 4 --seq 2048]
+    torchrun --nproc_per_node 2 examples/fsdp2_bench.py --impl eager|inductor|liger|fxfuse [--batch 4 --seq 2048]
+    bash bench/run_all.sh fsdp2      # all four, one after the other (on the 2-GPU device kind)
 
 Each rank shards every decoder layer and the root with ``fully_shard`` (bf16 params, fp32 reduce),
 runs --warmup + --steps AdamW steps on random tokens and prints, on rank 0, one line
 ``impl, step ms (median), peak GiB per GPU (max over ranks), loss``. Liger runs eagerly
 (``apply_liger_kernel_to_llama`` before building the model; its kernels under torch.compile gave a
-wrong loss or crashed in DESIGN.md's runs). Expected result shape, not measured here.
+wrong loss or crashed in DESIGN.md's runs).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num
                 rope_theta=500000.0, tie_word_embeddings=True, use_cache=False)
 
 
-def build(impl: str):
+def build(impl: str, device: torch.device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if impl == "liger":
@@ -32,13 +33,15 @@ def build(impl: str):
 
         apply_liger_kernel_to_llama()
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **LLAMA_1B),
-                                            attn_implementation="sdpa", dtype=torch.bfloat16)
+    with torch.device(device):  # random init on the GPU: seconds instead of ~20 s on the CPU
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **LLAMA_1B),
+                                                 attn_implementation="sdpa")
+    return model.to(torch.bfloat16)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", choices=["fxfuse", "inductor", "liger"], required=True)
+    ap.add_argument("--impl", choices=["eager", "fxfuse", "inductor", "liger"], required=True)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=3)
@@ -50,7 +53,7 @@ def main() -> None:
     torch.cuda.set_device(device)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model = build(args.impl).to(device)
+    model = build(args.impl, device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp)

@@ -89,6 +89,7 @@ def _base_spec(args) -> dict:
     return dict(model=args.model, config=args.config, tiny=args.tiny, dtype=args.dtype, device=args.device,
                 batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
                 tokens=args.tokens, profile_steps=args.profile_steps, fxfuse_inner=args.fxfuse_inner,
+                fxfuse_logits=args.fxfuse_logits,
                 mem_limit_gib=args.mem_limit_gib)
 
 
@@ -144,7 +145,8 @@ def render(audit: dict) -> str:
     mem = "peak alloc / reserved MiB (CUDA allocator)" if cuda else "peak RSS MiB (process, CPU)"
     lines = [f"fxfuse audit: {a['model']}{' (tiny)' if a['tiny'] else ''}, batch {a['batch']} x seq {a['seq']}, "
              f"{a['steps']} steps (median after {a['warmup']} warm-up), {a['dtype']} on {audit['env']['device']}, "
-             f"AdamW lr {a['lr']}, seed {a['seed']}, {'tokens ' + a['tokens'] if a['tokens'] else 'synthetic tokens'}",
+             f"AdamW lr {a['lr']}, seed {a['seed']}, {'tokens ' + a['tokens'] if a['tokens'] else 'synthetic tokens'}, "
+             f"fxfuse logits={a.get('fxfuse_logits', 'skip')}",
              f"memory: {mem}; target-op share: fraction of profiled step time in rms_norm/rope/swiglu/"
              f"linear_cross_entropy ops (rule: fxfuse/audit_profile.py)"]
     head = (f"{'mode':9} {'step ms':>9} {'tokens/s':>10} {'peak alloc':>11} {'reserved':>9} {'max batch':>9} "
@@ -247,6 +249,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", default=None, help="token file (.npy, .pt, raw uint16 .bin); default synthetic")
     p.add_argument("--profile-steps", type=int, default=2, help="extra profiled steps (0: no profile)")
     p.add_argument("--fxfuse-inner", default="inductor", choices=["inductor", "aot_eager", "eager"])
+    p.add_argument("--fxfuse-logits", default="skip", choices=["skip", "exact"],
+                   help="fxfuse's logits option: the step reads only the loss, so by default the logits the "
+                        "model returns are not computed (Liger returns none in training either)")
     p.add_argument("--fit", default=None, choices=["none", "batch", "seq", "both"],
                    help="search the largest batch at --seq and/or the largest seq at --batch "
                         "(default: batch on cuda, none on cpu)")

@@ -3,7 +3,7 @@
 SPEC is a dict written by the parent (fxfuse/audit.py): ``job`` ("run": the timed training run;
 "fit": does one (batch, seq) train at all), ``mode`` (eager | inductor | liger | fxfuse), the model
 spec and config overrides, dtype, device, batch, seq, steps, warmup, lr, seed, token file,
-profile_steps, fxfuse_inner, mem_limit_gib. Every mode builds the same model from the same seed, sees
+profile_steps, fxfuse_inner, fxfuse_logits, mem_limit_gib. Every mode builds the same model from the same seed, sees
 the same batches in the same order and trains with the same AdamW; only the way the model is run
 differs. The result dict is written to OUT as JSON; an error is written there too (the parent shows
 it in the mode's row), so only a hard crash (OOM killer, segfault) leaves OUT missing.
@@ -66,7 +66,9 @@ def build_model(spec: str, overrides: dict, tiny: bool, dtype: torch.dtype, devi
         cfg = AutoConfig.for_model(model_type, **{**preset, **extra})
     else:
         cfg = AutoConfig.for_model(spec, **extra)
-    return AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype)
+    with torch.device(device):  # random init on the device: a 1B model takes seconds, not ~20 s on the CPU
+        model = AutoModelForCausalLM.from_config(cfg)
+    return model.to(dtype=dtype)
 
 
 class Batches:
@@ -111,14 +113,17 @@ def _load_tokens(path: str) -> torch.Tensor:
     return t.reshape(-1).long()
 
 
-def prepare(mode: str, model, fxfuse_inner: str):
-    """The callable that runs ``model`` in ``mode``; liger patches the model in place (eager)."""
+def prepare(mode: str, model, fxfuse_inner: str, fxfuse_logits: str = "skip"):
+    """The callable that runs ``model`` in ``mode``; liger patches the model in place (eager).
+
+    The training step reads only the loss, so fxfuse skips the logits the model also returns by
+    default (``logits="skip"``), as Liger does in training (its forward returns no logits then)."""
     if mode == "eager":
         return model
     if mode == "inductor":
         return torch.compile(model)
     if mode == "fxfuse":
-        return torch.compile(model, backend="fxfuse", options={"inner": fxfuse_inner})
+        return torch.compile(model, backend="fxfuse", options={"inner": fxfuse_inner, "logits": fxfuse_logits})
     if mode == "liger":
         try:
             from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -163,7 +168,7 @@ def _setup(spec: dict):
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec["mem_limit_gib"] * 2**30 / total), device)
     model = build_model(spec["model"], spec.get("config", {}), spec.get("tiny", False), dtype, device, spec["seed"])
     model.train()
-    call = prepare(spec["mode"], model, spec.get("fxfuse_inner", "inductor"))
+    call = prepare(spec["mode"], model, spec.get("fxfuse_inner", "inductor"), spec.get("fxfuse_logits", "skip"))
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
     data = Batches(model.config.vocab_size, spec["batch"], spec["seq"], spec["seed"], device, spec.get("tokens"))
     return model, call, opt, data

@@ -11,6 +11,7 @@ import logging
 import torch
 import torch.fx as fx
 
+from .attention import causal_attention
 from .dump import dump_report
 from .normalize import to_aten
 from .options import Options
@@ -45,6 +46,9 @@ def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.Gra
         aten_gm = to_aten(gm, example_inputs)
         before = aten_gm.code if opts.debug_dir else ""
         report = rewrite(aten_gm, selected_patterns(opts.patterns), skip_escapes=opts.logits == "skip")
+        if opts.causal_attention:
+            done, left = causal_attention(aten_gm)
+            report.attention = done + left
     except Exception as e:
         if _dynamo_control_flow(e):
             raise

@@ -14,6 +14,8 @@ DOC = {
     "inductor_config": "dict of torch._inductor.config overrides for the inner Inductor compile",
     "logits": "'exact' (default): logits a fused loss head returns are computed exactly (detached); "
               "'skip': not computed, any use raises",
+    "causal_attention": "True (default): an SDPA call whose mask is a constant causal mask gets "
+                        "is_causal=True instead (and enable_gqa for repeated k/v); False: left as is",
 }
 
 
@@ -24,6 +26,7 @@ class Options:
     debug_dir: str | None = None
     inductor_config: dict = field(default_factory=dict)
     logits: str = "exact"
+    causal_attention: bool = True
 
     @classmethod
     def parse(cls, options: dict | None) -> Options:
@@ -44,4 +47,7 @@ class Options:
         logits = options.get("logits", "exact")
         if logits not in ("exact", "skip"):
             raise ValueError(f"fxfuse: option 'logits' must be 'exact' or 'skip', got {logits!r}")
-        return cls(inner, pats, debug_dir, dict(options.get("inductor_config") or {}), logits)
+        causal = options.get("causal_attention", True)
+        if not isinstance(causal, bool):
+            raise ValueError(f"fxfuse: option 'causal_attention' must be True or False, got {causal!r}")
+        return cls(inner, pats, debug_dir, dict(options.get("inductor_config") or {}), logits, causal)

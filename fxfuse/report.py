@@ -37,6 +37,8 @@ class Report:
     graphs: int = 0
     errors: list[str] = field(default_factory=list)  # graphs left whole unfused, and why
     skipped_outputs: list[int] = field(default_factory=list)  # single graph: outputs not computed
+    # SDPA calls with a mask (fxfuse/attention.py): reason "" = mask proven causal, now is_causal=True
+    attention: list[Site] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         """Matched sites per pattern; every pattern name is present."""
@@ -47,6 +49,7 @@ class Report:
         """Append other's sites (copies, graph indices shifted after this report's graphs)."""
         self.matched += [replace(s, graph=s.graph + self.graphs) for s in other.matched]
         self.unmatched += [replace(s, graph=s.graph + self.graphs) for s in other.unmatched]
+        self.attention += [replace(s, graph=s.graph + self.graphs) for s in other.attention]
         self.errors += other.errors
         self.graphs += other.graphs
 
@@ -65,6 +68,7 @@ class Report:
                 "matched": [asdict(s) for s in self.matched],
                 "unmatched": [asdict(s) for s in self.unmatched],
                 "errors": self.errors,
+                "attention": [asdict(s) for s in self.attention],
             },
             indent=2,
         )
@@ -77,6 +81,14 @@ class Report:
             lines.append(_table("matched", self.matched, ("pattern", "variant", "module", "source", "saved")))
         if self.unmatched:
             lines.append(_table("unmatched", self.unmatched, ("pattern", "module", "source", "reason")))
+        causal = [s for s in self.attention if not s.reason]
+        if causal:
+            gqa = sum(s.variant == "sdpa_causal_gqa" for s in causal)
+            lines.append(f"attention: {len(causal)} SDPA call(s) given is_causal=True instead of a "
+                         f"constant causal mask ({gqa} without repeat_kv, enable_gqa=True)")
+        left = [s for s in self.attention if s.reason]
+        if left:
+            lines.append(_table("attention masks kept", left, ("module", "source", "reason")))
         lines += [f"error: {e}" for e in self.errors]
         return "\n".join(lines)
 

@@ -51,7 +51,7 @@ def test_audit_command_eager_vs_fxfuse(tmp_path):
     n_norms = count_calls(model, is_rms_norm, input_ids=ids, labels=ids)
     assert fx["report"]["counts"]["rms_norm"] == n_norms
     removed = fx["removed"]
-    assert set(removed) == {p for p, n in fx["report"]["counts"].items() if n}
+    assert set(removed) - {"causal_attention"} == {p for p, n in fx["report"]["counts"].items() if n}
     sizes = [agg["bytes_per_step"] for agg in removed.values()]
     assert sizes == sorted(sizes, reverse=True) and sizes[-1] > 0
     rms = removed["rms_norm"]
