@@ -12,7 +12,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PROVIDERS, Row, bench_ms, copy_ceiling_gbps, have_liger, peak_extra_mib, print_table  # noqa: E402
+from common import (  # noqa: E402
+    PROVIDERS, Row, bench_ms, copy_ceiling_gbps, graphed, have_liger, peak_extra_mib, print_table,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EPS = 1e-6
@@ -72,28 +74,12 @@ def _fwd_bwd(fn, x, w, dy):
     fn(x, w).backward(dy)
 
 
-def _graphed(step):
-    """step captured in a CUDA graph: replay times the GPU work alone, without Python/launch overhead."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: autograd's backward runs on its own device thread during the capture.
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        step()
-    return graph.replay
-
-
 def _prime_graph_capture() -> None:
     """The first CUDA-graph capture of a process failed on the H200 (cudaErrorStreamCapture) and
     poisoned the case being captured; a throwaway capture first keeps that out of the results."""
     t = torch.zeros(1, device="cuda")
     try:
-        _graphed(lambda: t.add_(1))()
+        graphed(lambda: t.add_(1))()
     except Exception as exc:  # reported, never fatal: the real captures follow
         print(f"priming capture failed: {type(exc).__name__}: {exc}"[:200], flush=True)
     torch.cuda.synchronize()
@@ -135,8 +121,12 @@ def run(args) -> list[Row]:
                     ((a.double() - b).abs().max() / b.abs().max()).item()
                     for a, b in zip((y.detach(), x.grad, w.grad), refs)
                 )
-                step = lambda: _fwd_bwd(fn, x, w, dy)  # noqa: E731
-                ms = bench_ms(_graphed(step) if args.cuda_graph else step)
+                del y  # its autograd graph holds x's AccumulateGrad node, made on the default stream
+                # fresh leaves: their AccumulateGrad nodes are made on the capture's warm-up stream
+                # (one made on the default stream breaks the capture: cudaErrorStreamCapture)
+                xt, wt = x.detach().requires_grad_(), w.detach().requires_grad_()
+                step = lambda: _fwd_bwd(fn, xt, wt, dy)  # noqa: E731
+                ms = bench_ms(graphed(step) if args.cuda_graph else step)
                 extra = peak_extra_mib(step)
             except Exception as exc:  # a provider failing must not hide the others
                 rows.append(Row(case, provider, None, note=f"{type(exc).__name__}: {exc}"[:120]))

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
-    PROVIDERS, Row, bench_ms, copy_ceiling_gbps, have_liger, peak_extra_mib, print_table,
+    PROVIDERS, Row, bench_ms, copy_ceiling_gbps, graphed, have_liger, peak_extra_mib, print_table,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -110,7 +110,7 @@ def run(args) -> list[Row]:
         step = lambda fn=fn: _fwd_bwd(fn, q, k, cos, sin, gq, gk)  # noqa: E731
         out = step()
         err = max((a.float() - e).abs().max().item() for a, e in zip(out, ref))
-        ms = bench_ms(step)
+        ms = bench_ms(graphed(step) if args.cuda_graph else step)
         gbps = nbytes / ms / 1e6
         rows.append(Row(case, name, ms, gbps, 100 * gbps / ceiling, peak_extra_mib(step), err))
     if "fxfuse" in args.providers:  # how much of fxfuse's time is host overhead (dispatch, autograd)
@@ -132,6 +132,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transposed", action="store_true",
                         help="q, k as [B, T, H, D] projections viewed as [B, H, T, D]")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time CUDA-graph replays of fwd+bwd (GPU time only, no CPU dispatch/launch overhead)")
 
 
 def main() -> None:

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PROVIDERS, Row, bench_ms, copy_ceiling_gbps, have_liger, peak_extra_mib, print_table  # noqa: E402
+from common import (  # noqa: E402
+    PROVIDERS, Row, bench_ms, copy_ceiling_gbps, graphed, have_liger, peak_extra_mib, print_table,
+)
 
 DEFAULT_SHAPES = ("16384x14336", "8192x8192")
 
@@ -112,7 +114,7 @@ def run(args) -> list[Row]:
             g, u, dout, _ = _inputs(m, i, dtype, args.chunked)
             step = lambda: _fwd_bwd(fn, g, u, dout)  # noqa: E731
             err = _max_err(fn, m, i, dtype, args.act, args.chunked)
-            ms = bench_ms(step)
+            ms = bench_ms(graphed(step) if args.cuda_graph else step)
             gbps = nbytes / ms / 1e6
             rows.append(Row(case, provider, ms, gbps, 100 * gbps / ceiling, peak_extra_mib(step), err, note))
             del g, u, dout
@@ -127,6 +129,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--chunked", action="store_true", help="gate, up = gate_up.chunk(2, -1) of one [M, 2I] tensor")
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time CUDA-graph replays of fwd+bwd (GPU time only, no CPU dispatch/launch overhead)")
 
 
 def main() -> None:

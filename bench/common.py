@@ -25,6 +25,23 @@ def bench_ms(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def graphed(step):
+    """step captured in a CUDA graph: replay times the GPU work alone, without Python/launch overhead
+    (what a model run under CUDA graphs, or one that keeps the GPU busy, pays)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: autograd's backward runs on its own device thread during the capture.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        step()
+    return graph.replay
+
+
 def copy_ceiling_gbps(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth counting bytes read plus bytes written (the ceiling)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()

@@ -24,8 +24,8 @@ run() { local name=$1; shift; echo "== $name $*"; timeout "${BENCH_TIMEOUT:-240}
 sel=("$@")
 has() { [ ${#sel[@]} -eq 0 ] || [[ " ${sel[*]} " == *" $1 "* ]]; }
 has rms_norm && run rms_norm --cuda-graph
-has swiglu && run swiglu
-has rope && run rope
+has swiglu && run swiglu && run swiglu --cuda-graph
+has rope && run rope && run rope --cuda-graph
 has linear_cross_entropy && run linear_cross_entropy
 if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" e2e "* ]]; then
   echo "== e2e ${E2E_MODELS:-all models}"
