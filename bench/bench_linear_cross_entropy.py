@@ -1,14 +1,16 @@
 """Benchmark of fxfuse.linear_cross_entropy (lm_head + cross-entropy), fwd+bwd, against eager,
-Inductor and Liger.
+Inductor and Liger; fxfuse's two algorithms side by side ("fxfuse": the default 4-matmul "lean"
+one; "fxfuse-fast": the 3-matmul "fast" one, option loss_head="fast").
 
     python bench/bench_linear_cross_entropy.py [--shapes 8192x4096x128256] [--dtype bfloat16]
         [--label-smoothing 0.1] [--softcap 30] [--bias] [--frozen-weight]
 
 Each case (NxHxV) times ``loss = f(x, W, b, target)`` and ``torch.autograd.grad`` of x, W (and b),
-and reports ms, TFLOP/s from ``lce_flops`` (the three matmuls any implementation needs; fxfuse
-runs a fourth, the logits recompute), GB/s from ``lce_bytes`` against the copy ceiling, the peak
-memory above the inputs (the floor is dW + dx, printed per case) and the max relative error of
-loss and grads against an fp32 eager reference on the same inputs.
+and reports ms, TFLOP/s from ``lce_flops`` (the three matmuls any implementation needs;
+fxfuse (lean) runs a fourth, the logits recompute), GB/s from ``lce_bytes`` against the copy
+ceiling, the peak memory above the inputs (the floor is dW + dx, printed per case; fxfuse-fast
+adds its [R, V] logits block, fxfuse (lean) ~104 MiB) and the max relative error of loss
+and grads against an fp32 eager reference on the same inputs.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import PROVIDERS, Row, bench_ms, copy_ceiling_gbps, have_liger, peak_extra_mib, print_table  # noqa: E402
 
 DEFAULT_SHAPES = ("8192x4096x128256", "16384x2048x32000")
+LCE_PROVIDERS = (*PROVIDERS, "fxfuse-fast")  # "fxfuse" runs the default algorithm, "lean"
 IGNORE_INDEX = -100
 
 
@@ -69,8 +72,9 @@ def _provider_fn(provider: str, args):
         return (lambda x, w, b, t: compiled(x, w, b, t, *extra)), ""
     if provider == "liger":
         return _liger_fn(args)
-    if provider == "fxfuse":
-        return (lambda x, w, b, t: torch.ops.fxfuse.linear_cross_entropy(x, w, b, t, *extra)), ""
+    if provider in ("fxfuse", "fxfuse-fast"):
+        algorithm = "fast" if provider == "fxfuse-fast" else "lean"
+        return (lambda x, w, b, t: torch.ops.fxfuse.linear_cross_entropy(x, w, b, t, *extra, algorithm)), ""
     raise ValueError(provider)
 
 
@@ -140,7 +144,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logit-scale", type=float, default=1.0)
     parser.add_argument("--bias", action="store_true", help="lm_head with a bias [V]")
     parser.add_argument("--frozen-weight", action="store_true", help="W.requires_grad = False (no dW)")
-    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    parser.add_argument("--providers", nargs="+", default=list(LCE_PROVIDERS), choices=LCE_PROVIDERS)
 
 
 def main() -> None:

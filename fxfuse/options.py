@@ -14,6 +14,9 @@ DOC = {
     "inductor_config": "dict of torch._inductor.config overrides for the inner Inductor compile",
     "logits": "'exact' (default): logits a fused loss head returns are computed exactly (detached); "
               "'skip': not computed, any use raises",
+    "loss_head": "'lean' (default): the fused loss head recomputes logits in backward (4 matmuls, "
+                 "~100 MiB above dW + dx); 'fast': gradients formed in the forward (3 matmuls, "
+                 "+ an [N/8, V] logits block)",
     "causal_attention": "True (default): an SDPA call whose mask is a constant causal mask gets "
                         "is_causal=True instead (and enable_gqa for repeated k/v); False: left as is",
 }
@@ -27,6 +30,7 @@ class Options:
     inductor_config: dict = field(default_factory=dict)
     logits: str = "exact"
     causal_attention: bool = True
+    loss_head: str = "lean"
 
     @classmethod
     def parse(cls, options: dict | None) -> Options:
@@ -50,4 +54,8 @@ class Options:
         causal = options.get("causal_attention", True)
         if not isinstance(causal, bool):
             raise ValueError(f"fxfuse: option 'causal_attention' must be True or False, got {causal!r}")
-        return cls(inner, pats, debug_dir, dict(options.get("inductor_config") or {}), logits, causal)
+        loss_head = options.get("loss_head", "lean")
+        if loss_head not in ("lean", "fast"):
+            raise ValueError(f"fxfuse: option 'loss_head' must be 'lean' or 'fast', got {loss_head!r}")
+        return cls(inner, pats, debug_dir, dict(options.get("inductor_config") or {}), logits, causal,
+                   loss_head)

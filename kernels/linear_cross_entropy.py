@@ -1,7 +1,8 @@
 """Fused lm_head + cross-entropy that never materialises the [N, V] logits.
 
     torch.ops.fxfuse.linear_cross_entropy(x, weight, bias, target, ignore_index=-100,
-        reduction="mean", label_smoothing=0.0, softcap=0.0, logit_scale=1.0) -> fp32 0-dim tensor
+        reduction="mean", label_smoothing=0.0, softcap=0.0, logit_scale=1.0, algorithm="lean")
+        -> fp32 0-dim tensor
 
 x [N, H], weight [V, H] (fp32/bf16/fp16, same dtype), bias [V] or None, target [N] int64.
 
@@ -19,23 +20,27 @@ Backward, with w_n = dloss/drow_n (grad / count or grad; 0 on ignored rows):
     dzr_n = dz_n * s * (1 - (z_n / c)^2 if c > 0 else 1)                     [V] grad of x @ W.T + b
     dx = dzr @ weight [N, H],  dweight = dzr.T @ x [V, H],  dbias = dzr.sum(0) [V]
 
-Design: chunk rows into passes of R tokens and the vocabulary into chunks of C columns. Forward
+Algorithms: "fast" (3 matmuls, kernels/linear_cross_entropy_fast.py) forms the gradients in the
+forward from [R, V] logits blocks in the input dtype (R*V*element_size above dW + dx: 250 MiB at
+N=8192, V=128256 bf16) and backward only scales them; "lean" (4 matmuls, below) keeps ~104 MiB
+above dW + dx. "lean" is the default (the backend's option ``loss_head`` picks): it meets the 1.1x
+memory bound; "fast" trades R*V*element_size of memory for the fourth matmul. A forward that needs
+no gradient (eval, no_grad, nothing requiring grad) always runs the lean forward (one matmul).
+
+Lean design: chunk rows into passes of R tokens and the vocabulary into chunks of C columns. Forward
 computes each [R, C] logits chunk with one cuBLAS matmul (fp32 output, so no bf16 rounding of
 logits) and a Triton kernel folds it into a running (max, sum-exp, target logit, logit sum) per
 row: 1 matmul of x @ W.T in total. Backward recomputes each chunk (matmul 2) and a Triton kernel
 writes dzr in the input dtype into a group buffer of G >= C columns; per group, dx_pass +=
 dzr @ W_group (matmul 3, into an fp32 [R, H] accumulator; a wide G keeps its read-modify-writes
 few) and dW_group (+)= dzr.T @ x_pass (matmul 4, K = R tokens reduced in fp32 inside cuBLAS,
-rounded to the weight dtype once per pass: once when N <= R). Four matmuls, not Liger's three:
-computing gradients in the forward needs either the whole [N, V] row block (lse must be final
-before dW can be formed) or token chunks whose dW read-modify-write over the whole [V, H] weight
-per chunk is memory bound. We take four big, well-shaped matmuls, an eval forward of one matmul
-and fp32 dW accumulation. Peak extra memory is dW + dx + the fp32 dx accumulator of one pass
+rounded to the weight dtype once per pass: once when N <= R). The logits recompute buys small
+memory (forming dW in the forward needs lse final, so a whole [R, V] row block per pass, which
+is what "fast" pays). Peak extra memory is dW + dx + the fp32 dx accumulator of one pass
 (64 MiB) + one fp32 logits chunk (16 MiB) + one gradient group (24 MiB). Measured on an H200
 (torch 2.11, bf16, N=8192, H=4096, V=128256, fwd+bwd): 58 ms and +1170 MiB (1.10x the 1066 MiB
-floor); the four matmuls alone take 49 ms at ~700 TFLOP/s, so the 34 ms goal is missed (eager:
-50 ms, +12 GiB; Inductor: 39 ms, +3070 MiB).
-Precision: logits, softmax and every matmul accumulate in fp32; dzr is
+floor); the four matmuls alone take 49 ms at ~700 TFLOP/s (eager: 50 ms, +12 GiB; Inductor:
+39 ms, +3070 MiB). Precision: logits, softmax and every matmul accumulate in fp32; dzr is
 rounded to the input dtype once (as eager rounds its logits' grad). With more than one pass
 (N > R = 4096 tokens at H = 4096) dW is rounded to bf16/fp16 once per pass: at 8 passes the
 fp16 test measures ~1.9x eager's dW error (the bound is 2x), so very long batches lose some.
@@ -52,7 +57,7 @@ from ._dispatch import use_triton
 _DX_ACC_BYTES = 64 << 20
 _LOGITS_BYTES = 16 << 20
 _GRAD_BYTES = 24 << 20
-_CHUNK_OVERRIDE = None  # (rows, cols, group cols): tests force many small chunks
+_CHUNK_OVERRIDE = None  # (rows, cols, group cols): tests force small chunks (fast: rows/pass, cols/tile)
 
 
 @triton.jit
@@ -346,16 +351,24 @@ linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_conte
 torch.library.define(
     "fxfuse::linear_cross_entropy",
     "(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index=-100, "
-    "str reduction=\"mean\", float label_smoothing=0.0, float softcap=0.0, float logit_scale=1.0) -> Tensor",
+    "str reduction=\"mean\", float label_smoothing=0.0, float softcap=0.0, float logit_scale=1.0, "
+    "str algorithm=\"lean\") -> Tensor",
 )
 
 
 @torch.library.impl("fxfuse::linear_cross_entropy", "CompositeImplicitAutograd")
 def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0, softcap=0.0, logit_scale=1.0):
-    """0-dim fp32 loss; decomposes into the fwd op (autograd: the bwd op) plus the reduction."""
+                         label_smoothing=0.0, softcap=0.0, logit_scale=1.0, algorithm="lean"):
+    """0-dim fp32 loss: the fast op if asked for and a gradient is needed, else the lean fwd op."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if algorithm not in ("fast", "lean"):
+        raise ValueError(f"linear_cross_entropy: algorithm must be 'lean' or 'fast', got {algorithm!r}")
+    need = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    if algorithm == "fast" and torch.is_grad_enabled() and any(need):
+        loss, _, _, _ = torch.ops.fxfuse.linear_cross_entropy_fast(
+            x, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, logit_scale, *need)
+        return loss
     rows, _ = torch.ops.fxfuse.linear_cross_entropy_fwd(
         x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_scale)
     if reduction == "sum":
@@ -405,3 +418,6 @@ def _bwd_chunk_reference(z, bias, target, lse, drow, n0, v0, ignore_index, on_ta
     dz = (z - lse[n0:n0 + rows, None]).exp() - off_target - onehot * on_target
     dz = dz * w[:, None] * scale
     return dz * (1.0 - (z / softcap) ** 2) if softcap > 0 else dz
+
+
+from . import linear_cross_entropy_fast  # noqa: E402,F401  registers the fast op (uses helpers above)

@@ -1,5 +1,6 @@
-"""Tests of fxfuse.linear_cross_entropy: the Triton path under the interpreter (CPU), forced into
-many small row passes and vocab chunks, against eager linear + F.cross_entropy.
+"""Tests of fxfuse.linear_cross_entropy, both algorithms ("fast": 3 matmuls, gradients in the
+forward; "lean": 4 matmuls): the Triton path under the interpreter (CPU), forced into many small
+row passes and vocab chunks, against eager linear + F.cross_entropy.
 FXFUSE_TEST_DEVICE=cuda (as tests/conftest.py) leaves the interpreter off for the gpu test."""
 import os
 
@@ -11,14 +12,23 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fxfuse.kernels.linear_cross_entropy as lce  # noqa: E402
+import fxfuse.kernels.linear_cross_entropy_fast as lcef  # noqa: E402
 
 OP = torch.ops.fxfuse.linear_cross_entropy
+FAST = torch.ops.fxfuse.linear_cross_entropy_fast
+ALGOS = ["fast", "lean"]
+
+
+def _op(algorithm):
+    """OP with its trailing algorithm argument fixed."""
+    return lambda x, w, b, t, *args: OP(x, w, b, t, *args, algorithm)
 
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     """16-row passes x 64-column logits chunks x 128-column gradient groups: N=37, V=211 runs
-    3 passes x 4 chunks in 2 groups (the last pass, chunk and group ragged)."""
+    3 passes x 4 chunks in 2 groups (the last pass, chunk and group ragged); the fast path runs
+    3 passes of [16, 211] logits blocks swept in 64-column tiles."""
     monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", (16, 64, 128))
 
 
@@ -32,12 +42,12 @@ def _inputs(n, h, v, dtype, bias=False, ignore_index=-100, logit_std=1.0, seed=0
     return x, w, b, t
 
 
-def _fwd_bwd(fn, x, w, b, t, *args, frozen_w=False):
-    """[loss, dx, (dW), (db)] on fresh leaf copies of x, w, b."""
+def _fwd_bwd(fn, x, w, b, t, *args):
+    """[loss, dx, dW, (db)] on fresh leaf copies of x, w, b."""
     x = x.detach().clone().requires_grad_()
-    w = w.detach().clone().requires_grad_(not frozen_w)
+    w = w.detach().clone().requires_grad_()
     b = b.detach().clone().requires_grad_() if b is not None else None
-    wrt = [p for p in (x, w, b) if p is not None and p.requires_grad]
+    wrt = [p for p in (x, w, b) if p is not None]
     loss = fn(x, w, b, t, *args)
     return [loss, *torch.autograd.grad(loss, wrt)]
 
@@ -58,38 +68,43 @@ CASES = [
     (37, 24, 211, True, -1, "mean", 0.1, 5.0, 0.5),
     (1, 24, 211, False, -100, "mean", 0.0, 0.0, 2.0),
     (20, 40, 64, True, 3, "mean", 0.1, 0.0, 1.0),
+    (199, 24, 300, True, -100, "mean", 0.1, 4.0, 1.5),
 ]
 
 
 @pytest.mark.parametrize("n,h,v,bias,ii,red,ls,cap,scale", CASES)
 def test_fp32_parity(n, h, v, bias, ii, red, ls, cap, scale):
+    """fast, lean and eager agree to fp32 rounding (loss, dx, dW, db)."""
     x, w, b, t = _inputs(n, h, v, torch.float32, bias, ii, logit_std=3.0)
     if n == 1:
         t[0] = 5
     args = (ii, red, ls, cap, scale)
-    got = _fwd_bwd(OP, x, w, b, t, *args)
+    fast = _fwd_bwd(_op("fast"), x, w, b, t, *args)
+    lean = _fwd_bwd(_op("lean"), x, w, b, t, *args)
     ref = _fwd_bwd(EAGER, x, w, b, t, *args)
-    assert got[0].dtype == torch.float32 and got[0].dim() == 0
-    for g, r in zip(got, ref):
-        assert g.dtype == r.dtype and g.shape == r.shape
-        assert _rel(g, r) < 1e-5
+    assert fast[0].dtype == torch.float32 and fast[0].dim() == 0
+    for f, g, r in zip(fast, lean, ref):
+        assert f.dtype == g.dtype == r.dtype and f.shape == g.shape == r.shape
+        assert _rel(f, r) < 1e-5 and _rel(g, r) < 1e-5 and _rel(f, g) < 1e-5
 
 
-def test_199_rows_reference_path(monkeypatch):
-    """The PyTorch chunked fallback (no interpreter) on 199 rows, wider chunks."""
+@pytest.mark.parametrize("algo", ALGOS)
+def test_199_rows_reference_path(monkeypatch, algo):
+    """The PyTorch chunked fallback (no interpreter) on 199 rows, wider chunks (fast: 4 passes)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", (50, 64, 192))
     x, w, b, t = _inputs(199, 24, 211, torch.float32, True, logit_std=3.0)
     args = (-100, "mean", 0.1, 4.0, 1.5)
-    for g, r in zip(_fwd_bwd(OP, x, w, b, t, *args), _fwd_bwd(EAGER, x, w, b, t, *args)):
+    for g, r in zip(_fwd_bwd(_op(algo), x, w, b, t, *args), _fwd_bwd(EAGER, x, w, b, t, *args)):
         assert _rel(g, r) < 1e-5
 
 
+@pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("red", ["mean", "sum"])
-def test_all_ignored(red):
+def test_all_ignored(red, algo):
     x, w, b, t = _inputs(20, 24, 211, torch.float32, True)
     t.fill_(-100)
-    got = _fwd_bwd(OP, x, w, b, t, -100, red, 0.1, 0.0, 1.0)
+    got = _fwd_bwd(_op(algo), x, w, b, t, -100, red, 0.1, 0.0, 1.0)
     ref = _fwd_bwd(EAGER, x, w, b, t, -100, red, 0.1, 0.0, 1.0)
     assert torch.isnan(ref[0]) == (red == "mean")
     torch.testing.assert_close(got[0], ref[0], equal_nan=True)
@@ -97,10 +112,17 @@ def test_all_ignored(red):
         assert torch.equal(r, torch.zeros_like(r)) and torch.equal(g, r)
 
 
-def test_frozen_weight():
-    x, w, b, t = _inputs(37, 24, 211, torch.float32)
-    got = _fwd_bwd(OP, x, w, b, t, -100, "mean", 0.0, 0.0, 1.0, frozen_w=True)
-    ref = _fwd_bwd(EAGER, x, w, b, t, -100, "mean", 0.0, 0.0, 1.0, frozen_w=True)
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("frozen", ["w", "x"])
+def test_frozen_input(algo, frozen):
+    """Only the inputs that require grad get one (the fast op forms only those)."""
+    x, w, b, t = _inputs(37, 24, 211, torch.float32, True)
+    xs, ws = x.clone().requires_grad_(frozen != "x"), w.clone().requires_grad_(frozen != "w")
+    bs = b.clone().requires_grad_()
+    got = torch.autograd.grad(OP(xs, ws, bs, t, -100, "mean", 0.1, 0.0, 1.0, algo),
+                              [p for p in (xs, ws, bs) if p.requires_grad])
+    ref = torch.autograd.grad(EAGER(xs, ws, bs, t, -100, "mean", 0.1, 0.0, 1.0),
+                              [p for p in (xs, ws, bs) if p.requires_grad])
     assert len(got) == 2
     for g, r in zip(got, ref):
         assert _rel(g, r) < 1e-5
@@ -117,30 +139,41 @@ def test_bwd_skips_unneeded_grads():
     assert _rel(dx, x.grad) < 1e-5
 
 
+def test_fast_op_skips_unneeded_grads():
+    x, w, b, t = _inputs(37, 24, 211, torch.float32, True)
+    loss, dx, dw, db = FAST(x, w, b, t, -100, "sum", 0.0, 0.0, 1.0, False, True, False)
+    assert dx.numel() == 0 and dw.shape == w.shape and db.numel() == 0
+    w.requires_grad_()
+    ref = EAGER(x, w, b, t, -100, "sum")
+    ref.backward()
+    assert _rel(loss, ref) < 1e-5 and _rel(dw, w.grad) < 1e-5
+@pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("chunks", [(64, 128, 256), (8, 128, 128)], ids=["1pass", "8passes"])
-def test_low_precision_vs_fp64(monkeypatch, dtype, chunks):
+def test_low_precision_vs_fp64(monkeypatch, dtype, chunks, algo):
     """Error of loss and each grad vs an fp64 reference is <= 2x eager's own error in dtype.
     8passes: dW is rounded to dtype after each of 8 row passes (the bf16 accumulation cost)."""
     monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", chunks)
     x, w, b, t = _inputs(64, 64, 300, dtype, True, logit_std=4.0)
     args = (-100, "mean", 0.1, 0.0, 1.0)
     ref = _fwd_bwd(EAGER, x.double(), w.double(), b.double(), t, *args)
-    got = _fwd_bwd(OP, x, w, b, t, *args)
+    got = _fwd_bwd(_op(algo), x, w, b, t, *args)
     eager = _fwd_bwd(EAGER, x, w, b, t, *args)
     for name, g, e, r in zip(["loss", "dx", "dw", "db"], got, eager, ref):
         assert g.dtype == e.dtype
         assert _rel(g, r) <= 2 * _rel(e, r), name
 
 
-def test_rejects_bad_reduction():
+def test_rejects_bad_reduction_and_algorithm():
     x, w, b, t = _inputs(4, 8, 16, torch.float32)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="reduction"):
         OP(x, w, b, t, -100, "none", 0.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="algorithm"):
+        OP(x, w, b, t, -100, "mean", 0.0, 0.0, 1.0, "fastest")
 
 
 def test_never_allocates_n_by_v(monkeypatch):
-    """Every logits chunk is at most rows x cols of the plan, in the forward and the backward."""
+    """lean: every logits chunk is at most rows x cols of the plan, in the forward and the backward."""
     shapes = []
     mm = lce._mm_f32
 
@@ -150,12 +183,77 @@ def test_never_allocates_n_by_v(monkeypatch):
 
     monkeypatch.setattr(lce, "_mm_f32", spy)
     x, w, b, t = _inputs(37, 24, 211, torch.float32)
-    _fwd_bwd(OP, x, w, b, t, -100, "mean", 0.0, 0.0, 1.0)
+    _fwd_bwd(OP, x, w, b, t, -100, "mean", 0.0, 0.0, 1.0, "lean")
     assert len(shapes) == 2 * 3 * 4 and all(r <= 16 and c <= 64 for r, c in shapes)
+
+
+def _spy_fast_rows(monkeypatch):
+    """Shapes of the logits blocks the fast path's row kernel sees, one per pass."""
+    shapes = []
+    rows = lcef._fast_rows
+
+    def spy(z, *args):
+        shapes.append(tuple(z.shape))
+        rows(z, *args)
+
+    monkeypatch.setattr(lcef, "_fast_rows", spy)
+    return shapes
+
+
+def test_fast_passes(monkeypatch):
+    """fast with a gradient: 3 passes of [<= 16, V] blocks, all in the forward."""
+    shapes = _spy_fast_rows(monkeypatch)
+    x, w, b, t = _inputs(37, 24, 211, torch.float32, True)
+    x.requires_grad_()
+    loss = OP(x, w, b, t, -100, "mean", 0.0, 0.0, 1.0, "fast")
+    assert shapes == [(16, 211), (16, 211), (5, 211)]
+    loss.backward()
+    assert len(shapes) == 3
+
+
+@pytest.mark.parametrize("algo", ["fast", "lean"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "no_requires_grad", "compiled_no_grad"])
+def test_forward_only_forms_no_gradient(monkeypatch, algo, mode):
+    """Eval forwards run the lean lse-only forward: the fast op (gradients) never runs."""
+    shapes = _spy_fast_rows(monkeypatch)
+    x, w, b, t = _inputs(37, 24, 211, torch.float32, True)
+    args = (-100, "mean", 0.1, 0.0, 1.0, algo)
+    ref = EAGER(x, w, b, t, *args[:-1])
+    if mode == "no_requires_grad":
+        got = OP(x, w, b, t, *args)
+    else:
+        x, w = x.requires_grad_(), w.requires_grad_()
+        fn = torch.compile(OP, backend="aot_eager", fullgraph=True) if mode == "compiled_no_grad" else OP
+        with torch.inference_mode() if mode == "inference_mode" else torch.no_grad():
+            got = fn(x, w, b, t, *args)
+    assert shapes == [] and not got.requires_grad and _rel(got, ref) < 1e-5
+
+
+def test_upstream_grad_scales_and_retain_graph():
+    """Backward scales the forward's gradients by the 0-dim upstream gradient, out of place:
+    a second backward (retain_graph) gives the same; double backward raises."""
+    x, w, b, t = _inputs(37, 24, 211, torch.float32, True)
+    x, w, b = x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    loss = OP(x, w, b, t, -100, "mean", 0.1, 3.0, 1.0, "fast")
+    ref = EAGER(x, w, b, t, -100, "mean", 0.1, 3.0, 1.0)
+    want = torch.autograd.grad(ref * -2.5, (x, w, b))
+    for _ in range(2):
+        got = torch.autograd.grad(loss * -2.5, (x, w, b), retain_graph=True)
+        for g, r in zip(got, want):
+            assert _rel(g, r) < 1e-5
+    (dx,) = torch.autograd.grad(loss, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="linear_cross_entropy_fast"):
+        dx.sum().backward()
 
 
 def test_chunk_plan_budgets(monkeypatch):
     monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", None)
+    # fast: at most 8 passes, a logits block of at least 64 MiB, never more rows than tokens
+    assert lcef._fast_rows_per_pass(8192, 128256, 2) == 1024  # 250.5 MiB block
+    assert lcef._fast_rows_per_pass(2048, 128256, 2) == 262  # 64 MiB block, 8 passes
+    assert lcef._fast_rows_per_pass(100_000, 128256, 2) == 12500
+    assert lcef._fast_rows_per_pass(199, 211, 4) == 199 and lcef._fast_tile(128256) == 4096
+    assert lcef._fast_tile(211) == 256
     rows, cols = lce._rows_per_pass(8192, 4096), lce._cols_per_chunk(4096, 128256)
     group = lce._cols_per_group(rows, cols, 128256, 2)
     assert (rows, cols, group) == (4096, 1024, 3072)
@@ -176,9 +274,19 @@ def test_opcheck(bias):
                            2.0, 1.0, True, True, bias))
 
 
-def test_compile_axis():
+@pytest.mark.parametrize("bias,red", [(False, "mean"), (True, "sum")])
+def test_opcheck_fast(bias, red):
+    x, w, b, t = _inputs(37, 24, 211, torch.float32, bias)
+    x.requires_grad_()
+    w.requires_grad_()
+    torch.library.opcheck(FAST, (x, w, b, t, -100, red, 0.1, 2.0, 1.0, True, True, bias))
+    torch.library.opcheck(FAST, (x, w, b, t, 7, red, 0.0, 0.0, 0.5, False, True, False))
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_compile_axis(algo):
     """aot_eager with dynamic shapes: one graph serves two token counts, matching eager."""
-    fn = torch.compile(OP, backend="aot_eager", dynamic=True, fullgraph=True)
+    fn = torch.compile(_op(algo), backend="aot_eager", dynamic=True, fullgraph=True)
     for n in (13, 29):
         x, w, b, t = _inputs(n, 24, 211, torch.float32, True, seed=n)
         args = (-100, "mean", 0.1, 0.0, 1.0)
@@ -186,16 +294,26 @@ def test_compile_axis():
             assert _rel(g, r) < 1e-5
 
 
+def test_compile_inductor_fast():
+    """Inductor (min-cut partitioner): the fast op's gradients are saved, backward only scales."""
+    fn = torch.compile(OP, backend="inductor", fullgraph=True)
+    x, w, b, t = _inputs(29, 24, 211, torch.float32, True)
+    args = (-100, "sum", 0.0, 3.0, 1.0)
+    for g, r in zip(_fwd_bwd(fn, x, w, b, t, *args), _fwd_bwd(EAGER, x, w, b, t, *args)):
+        assert _rel(g, r) < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_bf16_vs_fp64(monkeypatch):
-    """The CUDA path (cuBLAS fp32-output chunks + compiled kernels) at a shape with several passes."""
+@pytest.mark.parametrize("algo", ALGOS)
+def test_gpu_bf16_vs_fp64(monkeypatch, algo):
+    """The CUDA path (cuBLAS matmuls + compiled kernels) at a shape with several passes."""
     monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", (512, 1024, 2048))
     x, w, b, t = (a.cuda() if a is not None else None
                   for a in _inputs(2000, 512, 5000, torch.bfloat16, True, logit_std=4.0))
     args = (-100, "mean", 0.1, 30.0, 1.0)
     ref = _fwd_bwd(EAGER, x.double(), w.double(), b.double(), t, *args)
-    got = _fwd_bwd(OP, x, w, b, t, *args)
+    got = _fwd_bwd(_op(algo), x, w, b, t, *args)
     eager = _fwd_bwd(EAGER, x, w, b, t, *args)
     for name, g, e, r in zip(["loss", "dx", "dw", "db"], got, eager, ref):
         assert _rel(g, r) <= 2 * _rel(e, r), name
@@ -214,3 +332,4 @@ def test_bench_counts():
     assert bench.lce_bytes(n, h, v, 2) == 2 * 2 * (n * h + v * h) + 8 * n
     assert bench.lce_flops(n, h, v) == 3 * 2 * n * h * v
     assert round(bench.floor_mib(n, h, v, 2)) == 1066
+    assert {"fxfuse", "fxfuse-fast"} <= set(bench.LCE_PROVIDERS)

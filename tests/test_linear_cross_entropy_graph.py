@@ -154,3 +154,29 @@ def test_skipped_logits_fail_loudly(inner):
         with pytest.raises(RuntimeError, match="fxfuse skipped computing"):
             use(out.logits)
     assert "fxfuse skipped computing" in repr(out.logits)
+
+
+def test_loss_head_option_selects_the_fast_algorithm_with_parity():
+    """options={"loss_head": "fast"}: the fused call takes the 3-matmul algorithm; loss and every
+    gradient still equal eager's; a bad value is an error naming the option."""
+    from fxfuse.backend import transform
+    from fxfuse.options import Options
+
+    model = hf_model("llama")
+    inputs = batch()
+    loss_err, grad_err, report, _ = compiled_parity(model, inputs, options={"loss_head": "fast"})
+    assert report.counts()["linear_cross_entropy"] == 1
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+    captured = {}
+
+    def capture(gm, ex):
+        captured["gm"], captured["ex"] = gm, ex
+        return gm
+
+    torch.compile(hf_model("llama"), backend=capture)(**inputs)
+    for head, want in (("fast", ("fast",)), ("lean", ())):
+        gm, _ = transform(captured["gm"], captured["ex"], Options.parse({"loss_head": head}))
+        (call,) = [n for n in gm.graph.nodes if str(n.target) == "fxfuse.linear_cross_entropy.default"]
+        assert tuple(call.args[9:]) == want
+    with pytest.raises(ValueError, match="loss_head"):
+        Options.parse({"loss_head": "fastest"})
