@@ -124,7 +124,7 @@ def run(args) -> list[Row]:
                 del y  # its autograd graph holds x's AccumulateGrad node, made on the default stream
                 # fresh leaves: their AccumulateGrad nodes are made on the capture's warm-up stream
                 # (one made on the default stream breaks the capture: cudaErrorStreamCapture)
-                xt, wt = x.detach().requires_grad_(), w.detach().requires_grad_()
+                xt, wt = x.detach().requires_grad_(), torch.nn.Parameter(w.detach())
                 step = lambda: _fwd_bwd(fn, xt, wt, dy)  # noqa: E731
                 ms = bench_ms(graphed(step) if args.cuda_graph else step)
                 extra = peak_extra_mib(step)
