@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import logging
 
-import torch
 import torch.fx as fx
 
 from .attention import causal_attention

@@ -10,7 +10,6 @@ Symbolic sizes are never compared or converted (that would specialise them).
 """
 from __future__ import annotations
 
-import math
 from fractions import Fraction
 
 import torch

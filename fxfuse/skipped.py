@@ -13,6 +13,13 @@ MESSAGE = ("fxfuse skipped computing this value (the logits of a fused lm_head +
            "options={'logits': 'exact'} to get exact logits.")
 
 
+# Metadata that frameworks probe on every output without reading values (FSDP2's post-forward hook
+# asks each output tensor for requires_grad): answered truthfully, since they hold for the logits
+# too (detached: no grad, no grad_fn; same dtype and device). Shape is not among them: it is wrong.
+_METADATA = frozenset(getattr(torch.Tensor, name).__get__ for name in (
+    "requires_grad", "grad_fn", "is_leaf", "dtype", "device", "is_cuda"))
+
+
 class SkippedValue(torch.Tensor):
     @staticmethod
     def __new__(cls, like_dtype: torch.dtype, device: torch.device):
@@ -20,6 +27,9 @@ class SkippedValue(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
         raise RuntimeError(MESSAGE)
 
     def __repr__(self) -> str:

@@ -42,3 +42,16 @@ def test_two_process_parity_with_single_process_eager(wrap):
             # layer graph (same code, same guards), so it is reported once
             assert int(graphs) >= 3
             assert counts == {"rms_norm": 3, "rope": 1, "swiglu": 1, "linear_cross_entropy": 1}
+
+
+def test_fsdp2_benchmark_script_runs_on_cpu():
+    """examples/fsdp2_bench.py (the 2-GPU benchmark) in its --smoke mode: same code path on 2 CPU
+    processes over gloo with a tiny model; prints its result line and fxfuse's report."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "examples", "fsdp2_bench.py"), "--impl", "fxfuse", "--smoke"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert re.search(r"^fxfuse, [\d.]+ ms/step, 0\.00 GiB/GPU, loss \d+\.\d+$", res.stdout, re.M), out[-4000:]
+    assert "rms_norm 3, rope 1, swiglu 1, linear_cross_entropy 1" in res.stdout, out[-4000:]

@@ -9,7 +9,6 @@ if os.environ.get("FXFUSE_TEST_DEVICE", "cpu") != "cuda":
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import fxfuse.kernels.linear_cross_entropy as lce  # noqa: E402
 import fxfuse.kernels.linear_cross_entropy_fast as lcef  # noqa: E402

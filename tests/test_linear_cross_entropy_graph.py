@@ -150,10 +150,14 @@ def test_skipped_logits_fail_loudly(inner):
     assert rel_err(out.loss, ref_loss) < FP32_TOL
     assert max(rel_err(p.grad, ref_grads[n]) for n, p in mine.named_parameters()) < FP32_TOL
     assert fxfuse.last_report().skipped_outputs
-    for use in (lambda t: t.argmax(-1), lambda t: t + 1, lambda t: t.float(), lambda t: t[0]):
+    for use in (lambda t: t.argmax(-1), lambda t: t + 1, lambda t: t.float(), lambda t: t[0],
+                lambda t: t.shape, lambda t: t.numel()):
         with pytest.raises(RuntimeError, match="fxfuse skipped computing"):
             use(out.logits)
     assert "fxfuse skipped computing" in repr(out.logits)
+    # metadata that holds for the real (detached) logits too: what FSDP2's hooks ask every output
+    logits = out.logits
+    assert (logits.requires_grad, logits.grad_fn, logits.dtype) == (False, None, torch.float32)
 
 
 def test_loss_head_option_selects_the_fast_algorithm_with_parity():

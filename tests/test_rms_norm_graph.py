@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxfuse
-from helpers import batch, compiled_parity, count_calls, hf_model, is_rms_norm, rel_err
+from helpers import batch, compiled_parity, count_calls, hf_model, is_rms_norm
 
 FP32_TOL = 1e-5
 HF_TYPES = ["llama", "mistral", "qwen2", "phi3", "gemma", "qwen3"]
