@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.add_argument("--models", default=",".join(CASES), help="comma-separated presets or model types")
-    p.set_defaults(batch=None, seq=None, steps=50, warmup=10, fit="none",
+    p.set_defaults(batch=None, seq=None, steps=50, warmup=10, fit="none", memory_peak=True,
                    out=os.path.join(os.environ.get("OUT", "."), "e2e"))
     args = p.parse_args(argv)
     sections, rc = [], 0

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 
+from .audit_memory import render as render_peak
 from .audit_plot import plot_png
 from .audit_worker import MODES, PRESETS
 
@@ -89,7 +90,7 @@ def _base_spec(args) -> dict:
     return dict(model=args.model, config=args.config, tiny=args.tiny, dtype=args.dtype, device=args.device,
                 batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
                 tokens=args.tokens, profile_steps=args.profile_steps, fxfuse_inner=args.fxfuse_inner,
-                fxfuse_logits=args.fxfuse_logits,
+                fxfuse_logits=args.fxfuse_logits, memory_peak=args.memory_peak,
                 mem_limit_gib=args.mem_limit_gib)
 
 
@@ -174,6 +175,9 @@ def render(audit: dict) -> str:
             lines.append(f"target ops, {mode} ({prof['time_source']}, {prof['steps']} steps, "
                          f"{prof['total_ms']:.1f} ms): {parts}")
     for mode, r in results.items():
+        if r.get("memory_peak"):
+            lines += ["", *render_peak(mode, r["memory_peak"])]
+    for mode, r in results.items():
         if r.get("removed") is None:
             continue
         counts = r["report"]["counts"]
@@ -249,6 +253,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", default=None, help="token file (.npy, .pt, raw uint16 .bin); default synthetic")
     p.add_argument("--profile-steps", type=int, default=2, help="extra profiled steps (0: no profile)")
     p.add_argument("--fxfuse-inner", default="inductor", choices=["inductor", "aot_eager", "eager"])
+    p.add_argument("--memory-peak", action="store_true",
+                   help="CUDA: one extra step with the allocator history on; prints what is alive at the "
+                        "memory peak, by allocating source line, per mode")
     p.add_argument("--fxfuse-logits", default="skip", choices=["skip", "exact"],
                    help="fxfuse's logits option: the step reads only the loss, so by default the logits the "
                         "model returns are not computed (Liger returns none in training either)")

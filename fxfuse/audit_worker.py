@@ -207,6 +207,11 @@ def run(spec: dict) -> dict:
     step_s = statistics.median(timed)
 
     shares = profile_shares(call, opt, data, spec["steps"], spec.get("profile_steps", 2), cuda, train_step)
+    peak = None
+    if cuda and spec.get("memory_peak"):  # one more step, allocator history on: what is alive at the peak
+        from .audit_memory import record_peak
+
+        peak = record_peak(lambda: train_step(call, opt, data(spec["steps"])).item(), device)
     report = fxfuse.Report.merge(fxfuse.compiled_reports()[n_reports:]) if spec["mode"] == "fxfuse" else None
     return {
         "mode": spec["mode"], "status": "ok", "losses": losses, "step_times_s": times, "mem_curve_mib": mem,
@@ -215,6 +220,7 @@ def run(spec: dict) -> dict:
         "peak_allocated_mib": peak_alloc, "peak_reserved_mib": peak_reserved if cuda else None,
         "memory_source": "torch.cuda.max_memory_allocated/reserved" if cuda else "peak RSS (getrusage ru_maxrss)",
         "profile": shares,
+        "memory_peak": peak,
         "report": json.loads(report.to_json()) if report is not None else None,
         "removed": removed_tensors(report) if report is not None else None,
         "params": sum(p.numel() for p in model.parameters()),

@@ -146,3 +146,27 @@ def test_attribution_of_gpu_kernels():
     per_pattern, per_name, total = attribute(events, cuda=True)
     assert per_pattern.keys() == {"rms_norm"} and per_pattern["rms_norm"] == pytest.approx(0.07)
     assert total == pytest.approx(0.17) and per_name["sm90_gemm"] == pytest.approx(0.1)
+
+
+def test_memory_peak_replays_the_allocator_trace():
+    """peak_blocks finds the peak of live bytes and groups what is alive there by source line."""
+    from fxfuse.audit_memory import peak_blocks, render
+
+    model = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+             {"filename": "/m/modeling_llama.py", "line": 42, "name": "forward"}]
+    kernel = [{"filename": "/s/fxfuse/kernels/rms_norm.py", "line": 7, "name": "_fwd"}]
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100 << 20, "frames": model},
+        {"action": "alloc", "addr": 2, "size": 50 << 20, "frames": kernel},
+        {"action": "alloc", "addr": 3, "size": 30 << 20, "frames": model},  # peak: 180 MiB
+        {"action": "free_requested", "addr": 2, "size": 50 << 20},
+        {"action": "free_completed", "addr": 2, "size": 50 << 20},
+        {"action": "alloc", "addr": 4, "size": 20 << 20, "frames": kernel},  # 150 MiB: not the peak
+        {"action": "free_requested", "addr": 1, "size": 100 << 20},
+    ]
+    peak = peak_blocks(trace)
+    assert peak["peak_mib"] == 180
+    assert peak["lines"] == [{"where": "modeling_llama.py:42 forward", "mib": 130.0, "blocks": 2},
+                             {"where": "rms_norm.py:7 _fwd", "mib": 50.0, "blocks": 1}]
+    text = "\n".join(render("fxfuse", peak))
+    assert "180 MiB" in text and "modeling_llama.py:42" in text
