@@ -28,6 +28,10 @@ aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
 _MAX_ELEMENTS = 1 << 27  # largest mask evaluated on the CPU to prove it causal (128 Mi elements)
 _RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+# views allocate nothing when evaluated: an expand of the [T, T] mask to [B, 1, T, T] costs no memory
+_VIEWS = frozenset((aten.expand.default, aten.unsqueeze.default, aten.slice.Tensor, aten.select.int,
+                    aten.view.default, aten.permute.default, aten.transpose.int, aten.squeeze.dim,
+                    aten.alias.default))
 
 
 def causal_attention(gm: fx.GraphModule) -> tuple[list[Site], list[Site]]:
@@ -103,6 +107,8 @@ def _why_not_causal(mask: fx.Node, q: fx.Node, k: fx.Node) -> str:
     tq, tk = qv.shape[-2], kv.shape[-2]
     if value.dim() > 4 or value.shape[-2:] != (tq, tk):
         return f"mask shape {tuple(value.shape)} is not [..., {tq}, {tk}]"
+    # broadcast (stride-0) batch / head dims hold one copy of the data: check that copy only
+    value = value[tuple(slice(0, 1) if value.stride(d) == 0 else slice(None) for d in range(value.dim() - 2))]
     causal = torch.ones(tq, tk, dtype=torch.bool).tril()
     if value.dtype == torch.bool:
         allowed = value
@@ -131,7 +137,7 @@ def _constant_cone(mask: fx.Node) -> list[fx.Node] | str:
         val = _val(n)
         if val is None or not _static(val):
             return f"mask producer {n.name} has a dynamic shape"
-        if val.numel() > _MAX_ELEMENTS:
+        if n.target not in _VIEWS and val.numel() > _MAX_ELEMENTS:
             return f"mask producer {n.name} has {val.numel()} elements, too many to check on the CPU"
         stack += n.all_input_nodes
     order = {n: i for i, n in enumerate(mask.graph.nodes)}

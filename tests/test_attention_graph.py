@@ -210,3 +210,16 @@ def test_hf_llama_gqa_mask_rewritten_with_parity():
     assert all(not s.reason for s in report.attention), str(report)
     assert {s.variant for s in report.attention} <= {"sdpa_causal_gqa"}
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+def test_expanded_mask_is_checked_on_its_data_not_its_broadcast(monkeypatch):
+    """The [B, 1, T, T] expand of a [T, T] mask is a view: only the [T, T] data counts against the
+    evaluation cap (B x T^2 would reject 4 x 8192 tokens)."""
+    import fxfuse.attention as attention
+
+    monkeypatch.setattr(attention, "_MAX_ELEMENTS", 11 * 11)  # the [11, 11] mask fits, [2, 1, 11, 11] not
+    _, report = rewritten_graph(Net(), **inputs(t=11))
+    assert len(report.attention) == 2 and all(not s.reason for s in report.attention), str(report)
+    monkeypatch.setattr(attention, "_MAX_ELEMENTS", 11 * 11 - 1)
+    _, report = rewritten_graph(Net(), **inputs(t=11))
+    assert all("too many to check" in s.reason for s in report.attention), str(report)
