@@ -109,3 +109,38 @@ def test_autocast_rotation_in_fp32_is_fused():
                                                       autocast=True, patterns=["rope"])
     assert fxfuse.last_report().counts()["rope"] == 2, str(fxfuse.last_report())
     assert f_loss <= 2 * e_loss and f_grad <= 2 * e_grad, ((e_loss, e_grad), (f_loss, f_grad))
+
+
+def test_attention_output_needs_no_copy_before_o_proj():
+    """The fused rotation keeps q's [B, T, H, D] memory layout, so SDPA's output (allocated in q's
+    layout) transposed back to [B, T, H*D] is a view: no clone of it is written and saved for
+    o_proj's backward (a contiguous rope output cost one per layer: +32 MiB/layer on Llama-1B)."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from fxfuse.backend import transform
+    from fxfuse.options import Options
+
+    model = hf_model("llama", num_hidden_layers=2, attn_implementation="sdpa")
+    graphs = []
+
+    def fw(gm, ex):
+        graphs.append(gm)
+        return gm
+
+    def backend(gm, ex):
+        aten_gm, report = transform(gm, ex, Options.parse({"inner": "aot_eager"}))
+        assert report.counts()["rope"] == 2
+        return aot_module_simplified(aten_gm, ex, fw_compiler=fw, bw_compiler=lambda g, e: g)
+
+    torch.compile(model, backend=backend)(**batch()).loss.backward()
+    (fwd,) = graphs
+    sdpa_outs = {n for n in fwd.graph.nodes if "scaled_dot_product" in str(n.target)}
+    assert len(sdpa_outs) == 2
+
+    def from_sdpa(n):
+        while n.op == "call_function" and n not in sdpa_outs:
+            n = n.args[0]
+        return n in sdpa_outs
+
+    copies = [n for n in fwd.graph.nodes if n.target == torch.ops.aten.clone.default and from_sdpa(n.args[0])]
+    assert copies == [], fwd.code
