@@ -14,11 +14,7 @@ Pairing channel a (i < r/2, or even i) with its partner b the two directions are
     forward:  out_a = x_a c_a - x_b s_a     out_b = x_b c_b + x_a s_b
     backward: dx_a = dy_a c_a + dy_b s_b    dx_b = dy_b c_b - dy_a s_a
 which is the whole kernel. No gradient flows to cos/sin: the op refuses backward when they require
-grad. Outputs are new tensors with q's / k's shape, dtype and memory layout (_out_like): a
-[B, H, T, D] view of a [B, T, H, D] projection stays [B, T, H, D] in memory, as eager's elementwise
-rotation keeps it, so attention's output (cuDNN / flash allocate it in q's layout) and HF's
-``transpose(1, 2).contiguous()`` after it stay views; a contiguous output there cost one copy of
-the attention output per layer, kept for o_proj's backward (+32 MiB per layer, Llama-1B, 4x2048).
+grad. Outputs are new contiguous tensors with q's / k's shape and dtype.
 
 Launch layout: one program per cos position (e.g. per (b, t) for cos [B, 1, T, r]) loads cos/sin
 once and rotates every q row and then every k row sharing it (e.g. all Hq + Hk heads), so cos/sin
@@ -193,22 +189,15 @@ def _row_args(x, o, cos_shape, stand_in) -> tuple:
     return (x, o, i0 * i1 * i2, i1, i2, *x.stride(), o0, o1, o2)
 
 
-def _out_like(x: torch.Tensor) -> torch.Tensor:
-    """An output for x in x's memory layout when x is dense with D innermost (the kernel writes rows
-    of D unit-stride elements), else contiguous. Real and fake implementations both use it."""
-    o = torch.empty_like(x, memory_format=torch.preserve_format)
-    return o if o.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
 def _launch(q, k, cos, sin, interleaved: bool, rotary_dim: int, backward: bool):
-    """Runs the kernel on q and/or k (None = absent); returns new outputs (_out_like, or None)."""
+    """Runs the kernel on q and/or k (None = absent); returns new contiguous outputs (or None)."""
     x0 = q if q is not None else k
     device = x0.device
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):  # Triton launches on the current device
             return _launch(q, k, cos, sin, interleaved, rotary_dim, backward)
-    qo = None if q is None else _out_like(q)
-    ko = None if k is None else _out_like(k)
+    qo = None if q is None else torch.empty(q.shape, dtype=q.dtype, device=device)
+    ko = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=device)
     cs = cos.shape
     if cs[0] * cs[1] * cs[2] == 0 or ((q is None or q.numel() == 0) and (k is None or k.numel() == 0)):
         return qo, ko
@@ -244,7 +233,7 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     if q.is_cuda or use_triton(q):
         return _launch(q, k, cos, sin, interleaved, rotary_dim, backward=False)
     qo, ko = rope_reference(q, k, cos, sin, interleaved, rotary_dim)
-    return _out_like(q).copy_(qo), _out_like(k).copy_(ko)
+    return qo.contiguous(), ko.contiguous()
 
 
 def _rope_bwd(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], cos: torch.Tensor,
@@ -257,8 +246,8 @@ def _rope_bwd(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], cos: torch
     if ref.is_cuda or use_triton(ref):
         dq, dk = _launch(dq, dk, cos, sin, interleaved, rotary_dim, backward=True)
     else:
-        dq = None if dq is None else _out_like(dq).copy_(_rotate_reference(dq, cos, sin, interleaved, rotary_dim, True))
-        dk = None if dk is None else _out_like(dk).copy_(_rotate_reference(dk, cos, sin, interleaved, rotary_dim, True))
+        dq = None if dq is None else _rotate_reference(dq, cos, sin, interleaved, rotary_dim, True).contiguous()
+        dk = None if dk is None else _rotate_reference(dk, cos, sin, interleaved, rotary_dim, True).contiguous()
     return (cos.new_empty(0) if dq is None else dq), (cos.new_empty(0) if dk is None else dk)
 
 
@@ -271,12 +260,12 @@ _lib.impl("rope_bwd", _rope_bwd, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("fxfuse::rope", lib=_lib)
 def _(q, k, cos, sin, interleaved, rotary_dim):
-    return _out_like(q), _out_like(k)
+    return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 @torch.library.register_fake("fxfuse::rope_bwd", lib=_lib)
 def _(dq, dk, cos, sin, interleaved, rotary_dim):
-    return tuple(cos.new_empty(0) if g is None else _out_like(g) for g in (dq, dk))
+    return tuple(cos.new_empty(0) if g is None else g.new_empty(g.shape) for g in (dq, dk))
 
 
 _ROPE = torch.ops.fxfuse.rope.default

@@ -156,8 +156,23 @@ def lower_group(ms: list, graph: fx.Graph) -> list[fx.Node]:
     k = k if len(ms) == 2 else q  # a lone rotation rotates its input twice
     interleaved = ms[0].consts["form"] in ("complex", "pairs", "interleaved")
     d = int(val(ms[0].inputs["x"]).shape[-1])
+    if all(_heads_inner(val(x)) for x in (q, k)):
+        # q, k are [B, H, T, D] views of [B, T, H, D] projections: rotate in that memory layout and
+        # hand back [B, H, T, D] views of it, as eager's elementwise rotation keeps the layout. SDPA
+        # allocates its output in q's layout, so HF's transpose(1, 2).contiguous() before o_proj
+        # stays a view; a contiguous [B, H, T, D] rotation made it a copy per layer, saved for backward.
+        swap = lambda n: graph.call_function(aten.transpose.int, (n, 1, 2))  # noqa: E731
+        pair = graph.call_function(torch.ops.fxfuse.rope.default,
+                                   (swap(q), swap(k), swap(cos), swap(sin), interleaved, d))
+        return [swap(graph.call_function(operator.getitem, (pair, i))) for i in range(len(ms))]
     pair = graph.call_function(torch.ops.fxfuse.rope.default, (q, k, cos, sin, interleaved, d))
     return [graph.call_function(operator.getitem, (pair, i)) for i in range(len(ms))]
+
+
+def _heads_inner(v) -> bool:
+    """v is a [B, H, T, D] tensor laid out as [B, T, H, D] in memory (and not contiguous as is)."""
+    return (v is not None and v.dim() == 4 and v.shape[1] > 1 and v.shape[2] > 1
+            and v.transpose(1, 2).is_contiguous() and not v.is_contiguous())
 
 
 def _is_candidate(n: fx.Node) -> bool:
