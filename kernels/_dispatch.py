@@ -18,3 +18,16 @@ def no_double_backward(op, outputs: tuple) -> tuple:
         f"Trying to backward through {op} but no autograd formula was registered. "
         "Please use register_autograd to add one.", len(outputs))
     return err(*[t.detach().requires_grad_() for t in outputs])
+
+
+def register_autograd(lib, name: str, op, function) -> None:
+    """Register op's Autograd kernel: ``function.apply`` only when a gradient can flow (a tensor
+    argument requires grad under grad mode: apply() costs tens of us of CPU), else op itself below
+    autograd."""
+    def autograd(*args):
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return function.apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    lib.impl(name, autograd, "Autograd")

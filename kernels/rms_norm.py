@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import no_double_backward, use_triton
+from ._dispatch import no_double_backward, register_autograd, use_triton
 
 _MAX_BLOCK_N = 65536
 # dw reduction of the [P, D] partials: a [32, 128] fp32 tile per step, D / 128 programs.
@@ -349,15 +349,7 @@ class _RMSNormFunction(torch.autograd.Function):
         return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
 
 
-def _rms_norm_autograd(x, weight, eps, offset, cast_before_weight, out_dtype):
-    # The autograd.Function only when a gradient can flow: its apply() costs tens of us of CPU.
-    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
-        return _RMSNormFunction.apply(x, weight, eps, offset, cast_before_weight, out_dtype)
-    with torch._C._AutoDispatchBelowAutograd():
-        return _RMS_NORM(x, weight, eps, offset, cast_before_weight, out_dtype)
-
-
-_lib.impl("rms_norm", _rms_norm_autograd, "Autograd")
+register_autograd(_lib, "rms_norm", _RMS_NORM, _RMSNormFunction)
 
 # The public callables: the ops (dispatch, autograd, torch.compile), not the bare host wrappers.
 rms_norm = _RMS_NORM

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import no_double_backward, use_triton
+from ._dispatch import no_double_backward, register_autograd, use_triton
 
 
 @triton.jit
@@ -300,16 +300,7 @@ class _RopeFunction(torch.autograd.Function):
                 None, None, None, None)
 
 
-def _rope_autograd(q, k, cos, sin, interleaved, rotary_dim):
-    # The autograd.Function only when a gradient can flow: its apply() costs tens of us of CPU.
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad
-                                    or sin.requires_grad):
-        return _RopeFunction.apply(q, k, cos, sin, interleaved, rotary_dim)
-    with torch._C._AutoDispatchBelowAutograd():
-        return _ROPE(q, k, cos, sin, interleaved, rotary_dim)
-
-
-_lib.impl("rope", _rope_autograd, "Autograd")
+register_autograd(_lib, "rope", _ROPE, _RopeFunction)
 
 # The public callables: the ops (dispatch, autograd, torch.compile), not the bare host wrappers.
 rope = _ROPE

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
+from ._dispatch import register_autograd, use_triton
 
 ACTS = ("silu", "gelu", "gelu_tanh")
 _ACT_ID = {name: i for i, name in enumerate(ACTS)}
@@ -301,15 +301,7 @@ class _SwiGLUFunction(torch.autograd.Function):
         return (dgate if need_dgate else None), (dup if need_dup else None), None
 
 
-def _swiglu_autograd(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
-    # The autograd.Function only when a gradient can flow: its apply() costs ~50 us of CPU.
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return _SwiGLUFunction.apply(gate, up, act)
-    with torch._C._AutoDispatchBelowAutograd():
-        return _SWIGLU(gate, up, act)
-
-
-_lib.impl("swiglu", _swiglu_autograd, "Autograd")
+register_autograd(_lib, "swiglu", _SWIGLU, _SwiGLUFunction)
 
 
 def _act_ref(g: torch.Tensor, act: str) -> torch.Tensor:

@@ -172,6 +172,15 @@ def test_debug_dump_draws_unmatched_candidates(tmp_path):
     assert dot.startswith("digraph") and "also used outside" in dot and "(outside)" in dot
 
 
+def _norm_model_matches_eager():
+    """Linear + nn.RMSNorm compiled with fxfuse (aot_eager): its output equals eager's; its report."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8))
+    x = torch.randn(3, 8)
+    out = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})(x)
+    torch.testing.assert_close(out, model(x))
+    return fxfuse.last_report()
+
+
 def test_retrace_failure_leaves_graph_unfused(monkeypatch):
     import fxfuse.backend as backend
 
@@ -179,11 +188,7 @@ def test_retrace_failure_leaves_graph_unfused(monkeypatch):
         raise RuntimeError("make_fx says no")
 
     monkeypatch.setattr(backend, "to_aten", broken)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8))
-    x = torch.randn(3, 8)
-    out = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})(x)
-    torch.testing.assert_close(out, model(x))
-    report = fxfuse.last_report()
+    report = _norm_model_matches_eager()
     assert report.counts()["rms_norm"] == 0
     assert report.errors == ["graph left unfused: RuntimeError: make_fx says no"]
     assert "make_fx says no" in str(report)
@@ -241,11 +246,7 @@ def test_inner_compile_failure_falls_back_to_the_unfused_graph(monkeypatch):
         return real(gm, example_inputs, opts, mode)
 
     monkeypatch.setattr(backend, "inner_compile", picky)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8))
-    x = torch.randn(3, 8)
-    out = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})(x)
-    torch.testing.assert_close(out, model(x))
-    report = fxfuse.last_report()
+    report = _norm_model_matches_eager()
     assert report.counts()["rms_norm"] == 0 and "inner compiler rejects" in report.errors[0]
 
 
