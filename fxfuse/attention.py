@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from .report import Site, module_path, source_line
-from .rewrite import bytes_of
+from .rewrite import bytes_of, tensor_desc
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
@@ -37,11 +37,15 @@ _VIEWS = frozenset((aten.expand.default, aten.unsqueeze.default, aten.slice.Tens
 def causal_attention(gm: fx.GraphModule) -> tuple[list[Site], list[Site]]:
     """Rewrite every SDPA call of gm whose mask is provably causal; (rewritten, left) sites."""
     done, left = [], []
+    verdicts = {}  # (mask, q shape, k shape) -> reason: every layer's call shares one mask, evaluated once
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == _SDPA]:
         args = _sdpa_args(node)
         if args["attn_mask"] is None:
             continue
-        reason = _why_not_causal(args["attn_mask"], args["query"], args["key"])
+        key = (args["attn_mask"], *(_shape_key(args[a]) for a in ("query", "key")))
+        if key not in verdicts:
+            verdicts[key] = _why_not_causal(args["attn_mask"], args["query"], args["key"])
+        reason = verdicts[key]
         if reason:
             left.append(_site(node, "", reason))
             continue
@@ -60,14 +64,18 @@ def causal_attention(gm: fx.GraphModule) -> tuple[list[Site], list[Site]]:
                      [n.name for n in (new, args["attn_mask"])])
         if unrepeated is not None:  # the repeated k, v [B, H, T, D] are no longer written (nor saved)
             reps = [args["key"], args["value"]]
-            site.saved_tensors = [f"{n.name}:{str(_val(n).dtype).removeprefix('torch.')}{list(_val(n).shape)}"
-                                  for n in reps]
+            site.saved_tensors = [tensor_desc(n, _val(n)) for n in reps]
             site.saved = f"2 tensors, {sum(bytes_of(_val(n)) for n in reps) / 2**10:.1f} KiB/call"
         done.append(site)
     if done:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return done, left
+
+
+def _shape_key(x) -> str | None:
+    v = _val(x)
+    return None if v is None else str(tuple(v.shape))  # str: symbolic sizes are not hashable
 
 
 def _sdpa_args(node: fx.Node) -> dict:

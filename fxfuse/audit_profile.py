@@ -153,7 +153,7 @@ def removed_tensors(report, top: int = 8) -> dict:
     """Per pattern (largest first): sites, bytes no longer written per step at the traced shapes, and
     the ``top`` largest such tensors with the module they belonged to (from ``Site.saved_tensors``)."""
     out = {}
-    causal = [s for s in getattr(report, "attention", []) if s.saved_tensors]  # repeat_kv copies no longer written
+    causal = [s for s in report.attention if s.saved_tensors]  # repeat_kv copies no longer written
     for site in report.matched + causal:
         agg = out.setdefault(site.pattern, {"sites": 0, "bytes_per_step": 0, "unknown_size": 0, "tensors": []})
         agg["sites"] += 1

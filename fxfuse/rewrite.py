@@ -30,6 +30,11 @@ def bytes_of(v: torch.Tensor) -> int:
     return math.prod(_hint(s) for s in v.shape) * v.element_size()
 
 
+def tensor_desc(n: fx.Node, v: torch.Tensor) -> str:
+    """'name:dtype[shape]', the form of Site.saved_tensors (fxfuse/audit_profile.py parses it)."""
+    return f"{n.name}:{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+
+
 def saved_bytes(m: Match) -> tuple[int, list[str]]:
     """Intermediates inside the match that the fused op no longer writes: bytes per call, and which."""
     total, names = 0, []
@@ -39,7 +44,7 @@ def saved_bytes(m: Match) -> tuple[int, list[str]]:
                 n.target in CASTS and is_noop_cast(n)):
             continue
         total += bytes_of(v)
-        names.append(f"{n.name}:{str(v.dtype).removeprefix('torch.')}{list(v.shape)}")
+        names.append(tensor_desc(n, v))
     for desc, nbytes in m.pattern.hidden_saved(m):
         total += nbytes
         names.append(desc)
