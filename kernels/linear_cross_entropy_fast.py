@@ -151,11 +151,12 @@ def linear_cross_entropy_fast(
     loss_rows = torch.empty(n, device=x.device, dtype=torch.float32)
     rows = _fast_rows_per_pass(n, vocab, x.element_size())
     zbuf = torch.empty(min(rows, n) * vocab, device=x.device, dtype=x.dtype)
+    b = bias.to(x.dtype) if bias is not None else None  # cast once, not per pass
     for n0 in range(0, n, rows):
         xs = x[n0:n0 + rows]
         z = _view(zbuf, xs.shape[0], vocab)
-        if bias is not None:
-            torch.addmm(bias.to(x.dtype), xs, weight.T, out=z)
+        if b is not None:
+            torch.addmm(b, xs, weight.T, out=z)
         else:
             torch.mm(xs, weight.T, out=z)
         _fast_rows(z, target, loss_rows, w, n0, ignore_index, label_smoothing, softcap, logit_scale,
