@@ -74,21 +74,8 @@ def _fwd_bwd(fn, x, w, dy):
     fn(x, w).backward(dy)
 
 
-def _prime_graph_capture() -> None:
-    """The first CUDA-graph capture of a process failed on the H200 (cudaErrorStreamCapture) and
-    poisoned the case being captured; a throwaway capture first keeps that out of the results."""
-    t = torch.zeros(1, device="cuda")
-    try:
-        graphed(lambda: t.add_(1))()
-    except Exception as exc:  # reported, never fatal: the real captures follow
-        print(f"priming capture failed: {type(exc).__name__}: {exc}"[:200], flush=True)
-    torch.cuda.synchronize()
-
-
 def run(args) -> list[Row]:
     dtype = DTYPES[args.dtype]
-    if args.cuda_graph:
-        _prime_graph_capture()
     ceiling = copy_ceiling_gbps()
     print(f"copy ceiling: {ceiling:.0f} GB/s", flush=True)
     rows: list[Row] = []

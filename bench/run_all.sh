@@ -5,6 +5,7 @@
 #   bash bench/run_all.sh rms_norm swiglu          # only these (BENCH_TIMEOUT=seconds per script)
 #   E2E_MODELS=llama-1b bash bench/run_all.sh e2e  # end-to-end training audit (bench/e2e.py), only when
 #                                                  # named; one model per 10-minute call (E2E_ARGS=extra flags)
+#   bash bench/run_all.sh tune_rms_norm            # RMSNorm launch-parameter sweep, only when named
 #   bash bench/run_all.sh fsdp2                    # 2-GPU FSDP2 step (examples/fsdp2_bench.py), only when named
 # fxfuse is installed into /tmp/site (not editable: the image has no network for build deps) and
 # scripts run by path, so the repo's fxfuse/ folder never shadows the installed package.
@@ -27,6 +28,9 @@ has rms_norm && run rms_norm --cuda-graph
 has swiglu && run swiglu && run swiglu --cuda-graph
 has rope && run rope && run rope --cuda-graph
 has linear_cross_entropy && run linear_cross_entropy
+if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" tune_rms_norm "* ]]; then  # launch-parameter sweep, only when named
+  echo "== tune_rms_norm"; timeout "${BENCH_TIMEOUT:-240}" python3 "$repo/bench/tune_rms_norm.py" 2>&1 | tee -a "$out/tune_rms_norm.log" | grep -v Warning
+fi
 if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" e2e "* ]]; then
   echo "== e2e ${E2E_MODELS:-all models}"
   # shellcheck disable=SC2086

@@ -1,0 +1,111 @@
+"""Launch-parameter sweep of fxfuse's RMSNorm kernels (GPU time under CUDA-graph replay).
+
+    python bench/tune_rms_norm.py                          # 4096x8192 and 16384x4096, bf16
+    python bench/tune_rms_norm.py --shapes 4096x8192 --top 5
+
+Times the forward kernel and the backward (row kernel + dw reduction) separately for every
+(num_warps) and (num_warps, num_stages, programs per SM) in the grids below, and prints each
+configuration's GB/s against a copy ceiling measured in the same process, best first. The chosen
+values go into kernels/rms_norm.py's named tuning functions; this script only reports.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+
+from common import bench_ms, copy_ceiling_gbps, graphed
+
+FWD_WARPS = (2, 4, 8, 16)
+BWD_WARPS = (4, 8, 16, 32)
+BWD_STAGES = (1, 2, 3, 4)
+BWD_PROGRAMS_PER_SM = (1, 2, 4)
+
+
+def fwd_bytes(m: int, d: int, elem: int) -> int:
+    return 2 * m * d * elem  # read x, write y
+
+
+def bwd_bytes(m: int, d: int, elem: int) -> int:
+    return 3 * m * d * elem  # read x and dy, write dx (the [P, D] fp32 partials are ~1% more)
+
+
+def sweep(m: int, d: int, dtype: torch.dtype, ceiling: float, top: int) -> None:
+    from fxfuse.kernels import rms_norm as k
+
+    x = torch.randn(m, d, device="cuda", dtype=dtype)
+    w = torch.randn(d, device="cuda", dtype=dtype)
+    dy = torch.randn(m, d, device="cuda", dtype=dtype)
+    y, dx = torch.empty_like(x), torch.empty_like(x)
+    dw = torch.empty(d, device="cuda", dtype=dtype)
+    block_n = k._block_n(d)
+    block_m = k._block_m(block_n, m)
+    sms = k._num_sms(x.device)
+    elem = x.element_size()
+
+    rows = []
+    for warps in FWD_WARPS:
+        def fwd(warps=warps):
+            k._rms_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+                x, w, y, m, d, x.stride(0), 1e-5, 0.0, HAS_WEIGHT=True, CAST_BEFORE_WEIGHT=True,
+                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        try:
+            ms = bench_ms(graphed(fwd))
+        except Exception as exc:  # a config that does not compile (registers) is reported, not fatal
+            print(f"fwd warps={warps}: {type(exc).__name__}: {str(exc)[:100]}")
+            continue
+        rows.append(("fwd", f"warps={warps}", ms, fwd_bytes(m, d, elem) / ms / 1e6))
+    for warps, stages, per_sm in itertools.product(BWD_WARPS, BWD_STAGES, BWD_PROGRAMS_PER_SM):
+        grid = max(1, min(triton.cdiv(m, block_m), sms * per_sm))
+        partial = torch.empty(grid, d, device="cuda", dtype=torch.float32)
+
+        def bwd(warps=warps, stages=stages, grid=grid, partial=partial):
+            k._rms_norm_bwd_kernel[(grid,)](
+                dy, x, w, dx, partial, m, d, x.stride(0), 1e-5, 0.0, HAS_WEIGHT=True, COMPUTE_DW=True,
+                BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, num_warps=warps)
+            k._dw_reduce_kernel[(triton.cdiv(d, k._DW_BLOCK_D),)](
+                partial, dw, grid, d, BLOCK_P=k._DW_BLOCK_P, BLOCK_D=k._DW_BLOCK_D)
+        try:
+            ms = bench_ms(graphed(bwd))
+        except Exception as exc:
+            print(f"bwd warps={warps} stages={stages} per_sm={per_sm}: {type(exc).__name__}: {str(exc)[:100]}")
+            continue
+        rows.append(("bwd", f"warps={warps} stages={stages} per_sm={per_sm} grid={grid}", ms,
+                     bwd_bytes(m, d, elem) / ms / 1e6))
+    print(f"\n### {m}x{d} {dtype}, BLOCK_M={block_m} BLOCK_N={block_n}, ceiling {ceiling:.0f} GB/s")
+    for kind in ("fwd", "bwd"):
+        ranked = sorted((r for r in rows if r[0] == kind), key=lambda r: r[2])
+        cur = _current(k, kind, m, d, x.device)
+        for r in ranked[:top]:
+            print(f"{kind} {r[1]:42s} {r[2] * 1e3:8.1f} us {r[3]:7.0f} GB/s {100 * r[3] / ceiling:5.1f}%")
+        print(f"{kind} current: {cur}")
+    best = {kind: min((r for r in rows if r[0] == kind), key=lambda r: r[2]) for kind in ("fwd", "bwd")}
+    total = (fwd_bytes(m, d, elem) + bwd_bytes(m, d, elem)) / (best["fwd"][2] + best["bwd"][2]) / 1e6
+    print(f"best fwd+bwd: {best['fwd'][2] * 1e3 + best['bwd'][2] * 1e3:.1f} us, {100 * total / ceiling:.1f}% of ceiling")
+
+
+def _current(k, kind: str, m: int, d: int, device) -> str:
+    if kind == "fwd":
+        _, _, _, warps = k._fwd_launch(m, d)
+        return f"warps={warps}"
+    grid, _, _, warps = k._bwd_launch(m, d, device)
+    return f"warps={warps} stages={k._bwd_num_stages()} grid={grid}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["4096x8192", "16384x4096"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--top", type=int, default=6)
+    args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
+    ceiling = copy_ceiling_gbps()
+    for shape in args.shapes:
+        m, d = (int(s) for s in shape.lower().split("x"))
+        sweep(m, d, dtype, ceiling, args.top)
+
+
+if __name__ == "__main__":
+    main()
