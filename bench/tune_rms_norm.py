@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import sys
 
 import torch
 import triton
 
-from common import bench_ms, copy_ceiling_gbps, graphed
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import bench_ms, copy_ceiling_gbps, graphed  # noqa: E402
 
 FWD_WARPS = (2, 4, 8, 16)
 BWD_WARPS = (4, 8, 16, 32)
