@@ -107,10 +107,14 @@ def run(args) -> list[Row]:
         if isinstance(fn, str):
             rows.append(Row(case, name, None, note=fn))
             continue
-        step = lambda fn=fn: _fwd_bwd(fn, q, k, cos, sin, gq, gk)  # noqa: E731
         try:
-            out = step()
+            out = _fwd_bwd(fn, q, k, cos, sin, gq, gk)
             err = max((a.float() - e).abs().max().item() for a, e in zip(out, ref))
+            del out  # its autograd graph holds q's and k's AccumulateGrad nodes, made on the default stream
+            # fresh leaves: their gradient nodes are made on the capture's warm-up stream (one made on
+            # the default stream breaks the capture: cudaErrorStreamCapture, as in bench_rms_norm)
+            qt, kt = q.detach().requires_grad_(), k.detach().requires_grad_()
+            step = lambda fn=fn: _fwd_bwd(fn, qt, kt, cos, sin, gq, gk)  # noqa: E731
             ms = bench_ms(graphed(step) if args.cuda_graph else step)
         except Exception as exc:  # a provider failing (e.g. a CUDA-graph capture) must not hide the others
             rows.append(Row(case, name, None, note=f"{type(exc).__name__}: {exc}"[:120]))

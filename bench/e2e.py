@@ -5,9 +5,11 @@ random weights, synthetic tokens, AdamW), through ``fxfuse audit`` (every mode i
   python bench/e2e.py                                   # all three models on the GPU
   python bench/e2e.py --models llama-1b --steps 30      # one model (fits one 10-minute device call)
   python bench/e2e.py --models llama --tiny --device cpu --compare eager,fxfuse --steps 3   # CPU check
+  python bench/e2e.py --models llama-1b --fxfuse-option loss_head=fast   # more fxfuse backend options
+  python bench/e2e.py --models llama-1b --fit batch    # + largest batch per mode (one process per mode)
 
-Prints one markdown section per model (the bench/RESULTS.md format) and writes it, with each model's
-audit.json / audit.txt / audit.png, under --out. bench/run_all.sh runs it as the ``e2e`` entry.
+Prints one markdown section per model (the bench/RESULTS.md format; the model line names the fxfuse
+options used) and writes it, with each model's audit.json / audit.txt / audit.png, under --out. bench/run_all.sh runs it as the ``e2e`` entry.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import argparse
 import os
 import sys
 
-from fxfuse.audit import _finish, add_arguments, run_audit
+from fxfuse.audit import _finish, add_arguments, options_text, run_audit
 
 CASES = {"llama-1b": (4, 2048), "qwen2-1.5b": (4, 2048), "gemma2-2b": (2, 2048)}  # batch, seq (DESIGN.md)
 GIB = 2**30 / 2**20  # MiB per GiB
@@ -26,7 +28,8 @@ def markdown(audit: dict) -> str:
     cuda = a["device"].startswith("cuda")
     mem = "peak alloc GiB | peak reserved GiB" if cuda else "peak RSS GiB | -"
     lines = [f"### {a['model']}{' (tiny)' if a['tiny'] else ''}, batch {a['batch']} x {a['seq']}, {a['dtype']}, "
-             f"{a['steps']} steps (median after {a['warmup']}), {env['device']}, torch {env['torch']}",
+             f"{a['steps']} steps (median after {a['warmup']}), {env['device']}, torch {env['torch']}"
+             + (f", fxfuse options: {options_text(a)}" if "fxfuse" in audit["modes"] else ""),
              "",
              f"| mode | step ms | tokens/s | {mem} | max batch | target-op % | max abs loss diff vs eager | status |",
              "|---|---|---|---|---|---|---|---|"]

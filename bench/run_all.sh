@@ -4,7 +4,8 @@
 #   bash bench/run_all.sh                          # every benchmark; logs under $OUT (or ./bench_logs)
 #   bash bench/run_all.sh rms_norm swiglu          # only these (BENCH_TIMEOUT=seconds per script)
 #   E2E_MODELS=llama-1b bash bench/run_all.sh e2e  # end-to-end training audit (bench/e2e.py), only when
-#                                                  # named; one model per 10-minute call (E2E_ARGS=extra flags)
+#                                                  # named; one model per 10-minute call (E2E_ARGS=extra flags,
+#                                                  # e.g. E2E_ARGS="--fxfuse-option loss_head=fast --fit batch")
 #   bash bench/run_all.sh tune_rms_norm            # RMSNorm launch-parameter sweep, only when named
 #   bash bench/run_all.sh fsdp2                    # 2-GPU FSDP2 step (examples/fsdp2_bench.py), only when named
 # fxfuse is installed into /tmp/site (not editable: the image has no network for build deps) and

@@ -10,10 +10,20 @@ state, compiled code or warm caches. The parent prints one table and writes ``au
 - peak allocated and reserved memory (CUDA allocator), or peak RSS of the process on CPU;
 - step time at fixed batch and sequence length, median over the steps after ``--warmup``, tokens/s;
 - the largest batch (and with ``--fit both|seq`` the largest sequence length) that trains, found by
-  doubling then bisection, every trial in its own process so an OOM cannot take the parent down;
+  doubling from the run's own ``--batch`` (``--seq``) then bisection (below it if it does not fit),
+  up to ``--max-batch-search`` (``--max-seq-search``). The batch search runs in one
+  worker process per mode (job "fit_batch"): model, compiled code and AdamW are built once and the
+  batch dimension of input_ids is dynamic, so a compiled mode compiles once, not once per probe; an OOM
+  fails a probe and is cleaned up in-process, a killed worker is reported as died (with the probes
+  done so far). Dynamic-shape graphs can differ from the run's static ones (fxfuse's causal-attention
+  rewrite needs static shapes; the table says what fused in them). The sequence search runs every
+  probe in its own process (each recompiles);
 - the share of step time in the target ops (torch.profiler; attribution rule in audit_profile.py);
 - the loss curve of every mode and its largest divergence from eager's;
 - fxfuse's report and the saved activations it removed, per pattern, largest first.
+
+``--fxfuse-option KEY=VALUE`` (repeatable) passes more backend options to the fxfuse mode, e.g.
+``--fxfuse-option loss_head=fast``; the table's header and audit.json's args show them.
 
 Model: a preset (llama-1b, qwen2-1.5b, gemma2-2b: the shapes of DESIGN.md's table), an HF model type,
 a config.json or a local checkpoint folder; ``--tiny`` shrinks it for a CPU smoke run.
@@ -21,6 +31,7 @@ a config.json or a local checkpoint folder; ``--tiny`` shrinks it for a CPU smok
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import subprocess
@@ -30,37 +41,9 @@ import time
 
 from .audit_memory import render as render_peak
 from .audit_plot import plot_png
-from .audit_worker import MODES, PRESETS
+from .audit_worker import MODES, PRESETS, search_largest
 
 MIB = 2**20
-
-
-def search_largest(fits, cap: int, start: int = 1) -> tuple[int, list[tuple[int, bool]]]:
-    """Largest n in [start, cap] with fits(n), assuming fits is monotone (True up to some n, then False).
-    Doubling from ``start`` until a failure or ``cap``, then bisection. Returns (n or 0, trials)."""
-    trials = []
-
-    def probe(n: int) -> bool:
-        ok = fits(n)
-        trials.append((n, ok))
-        return ok
-
-    if cap < start or not probe(start):
-        return 0, trials
-    good, bad = start, None
-    while bad is None and good < cap:
-        n = min(2 * good, cap)
-        if probe(n):
-            good = n
-        else:
-            bad = n
-    while bad is not None and bad - good > 1:
-        mid = (good + bad) // 2
-        if probe(mid):
-            good = mid
-        else:
-            bad = mid
-    return good, trials
 
 
 def run_worker(spec: dict, timeout: float | None = None) -> dict:
@@ -81,7 +64,10 @@ def run_worker(spec: dict, timeout: float | None = None) -> dict:
             rc = "timeout"
         if os.path.exists(out_path):
             with open(out_path) as f:
-                return json.load(f)
+                result = json.load(f)
+            if result.get("status") == "running":  # fit_batch killed mid-search: its probes so far
+                result["status"] = f"error: worker process died (rc {rc}) during the search"
+            return result
     return {"mode": spec["mode"], "status": f"error: worker process died (rc {rc})", "fits": False,
             "reason": f"worker process died (rc {rc}; an OOM kill looks like this)"}
 
@@ -90,12 +76,37 @@ def _base_spec(args) -> dict:
     return dict(model=args.model, config=args.config, tiny=args.tiny, dtype=args.dtype, device=args.device,
                 batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
                 tokens=args.tokens, profile_steps=args.profile_steps, fxfuse_inner=args.fxfuse_inner,
-                fxfuse_logits=args.fxfuse_logits, memory_peak=args.memory_peak,
-                mem_limit_gib=args.mem_limit_gib)
+                fxfuse_logits=args.fxfuse_logits, fxfuse_options=args.fxfuse_options,
+                memory_peak=args.memory_peak, mem_limit_gib=args.mem_limit_gib)
+
+
+def fxfuse_options(a: dict) -> dict:
+    """The options the fxfuse mode compiles with (from audit args as a dict): --fxfuse-inner,
+    --fxfuse-logits, then every --fxfuse-option on top."""
+    return {"inner": a.get("fxfuse_inner", "inductor"), "logits": a.get("fxfuse_logits", "skip"),
+            **(a.get("fxfuse_options") or {})}
+
+
+def options_text(a: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in fxfuse_options(a).items())
+
+
+def batch_search(args, mode: str) -> dict:
+    """Largest batch at --seq for one mode: one worker process (job fit_batch) builds and compiles the
+    model once and probes every batch in-process, batch dimension dynamic (audit_worker.fit_batch)."""
+    cap = args.max_batch_search
+    spec = {**_base_spec(args), "job": "fit_batch", "mode": mode, "max_batch_search": cap}
+    r = run_worker(spec, args.timeout)
+    probes = r.get("probes", [])
+    return {"largest": r.get("largest") if r.get("status") == "ok" else None, "cap": cap, "granule": 1,
+            "status": r.get("status", ""), "trials": [[p["batch"], p["fits"]] for p in probes],
+            "probes": probes, "failures": {p["batch"]: p["reason"] for p in probes if p.get("reason")},
+            **({"report": r["report"]} if r.get("report") else {})}
 
 
 def fit_search(args, mode: str) -> dict:
-    """Largest batch at --seq and/or largest sequence (multiples of a granule) at --batch for one mode."""
+    """Largest batch at --seq (batch_search: one process) and/or largest sequence (multiples of a
+    granule) at --batch (one process per probe) for one mode; both start at the run's own shape."""
     out = {}
     for what in ("batch", "seq"):
         if args.fit not in (what, "both"):
@@ -103,19 +114,22 @@ def fit_search(args, mode: str) -> dict:
         cap = args.max_batch_search if what == "batch" else args.max_seq_search
         if cap <= 0:
             continue
-        granule = 1 if what == "batch" else min(128, args.seq)
+        if what == "batch":
+            out["batch"] = batch_search(args, mode)
+            continue
+        granule = min(128, args.seq)
         reasons = {}
 
         def fits(n: int) -> bool:
-            spec = {**_base_spec(args), "job": "fit", "mode": mode, what: n * granule}
+            spec = {**_base_spec(args), "job": "fit", "mode": mode, "seq": n * granule}
             r = run_worker(spec, args.timeout)
             if not r.get("fits"):
                 reasons[n * granule] = r.get("reason") or r.get("status", "")
             return bool(r.get("fits"))
 
-        best, trials = search_largest(fits, cap // granule)
-        out[what] = {"largest": best * granule, "cap": cap, "granule": granule,
-                     "trials": [[n * granule, ok] for n, ok in trials], "failures": reasons}
+        best, trials = search_largest(fits, cap // granule, args.seq // granule)
+        out["seq"] = {"largest": best * granule, "cap": cap, "granule": granule,
+                      "trials": [[n * granule, ok] for n, ok in trials], "failures": reasons}
     return out
 
 
@@ -147,7 +161,7 @@ def render(audit: dict) -> str:
     lines = [f"fxfuse audit: {a['model']}{' (tiny)' if a['tiny'] else ''}, batch {a['batch']} x seq {a['seq']}, "
              f"{a['steps']} steps (median after {a['warmup']} warm-up), {a['dtype']} on {audit['env']['device']}, "
              f"AdamW lr {a['lr']}, seed {a['seed']}, {'tokens ' + a['tokens'] if a['tokens'] else 'synthetic tokens'}, "
-             f"fxfuse logits={a.get('fxfuse_logits', 'skip')}",
+             f"fxfuse options: {options_text(a)}",
              f"memory: {mem}; target-op share: fraction of profiled step time in rms_norm/rope/swiglu/"
              f"linear_cross_entropy ops (rule: fxfuse/audit_profile.py)"]
     head = (f"{'mode':9} {'step ms':>9} {'tokens/s':>10} {'peak alloc':>11} {'reserved':>9} {'max batch':>9} "
@@ -163,6 +177,23 @@ def render(audit: dict) -> str:
             f"{_f(prof['target_share'] * 100 if 'target_share' in prof else None, '8.1f')} "
             f"{_f(div.get(mode, {}).get('max_abs'), '10.2e')} "
             f"{_f(r['losses'][-1] if r.get('losses') else None, '10.4f')}  {r.get('status', '')}")
+    for mode, fr in fit.items():
+        b = fr.get("batch") or {}
+        probes = b.get("probes") or []
+        if probes or b.get("status", "ok") != "ok":
+            mib = lambda p: f" {p['peak_allocated_mib']:.0f} MiB" if p.get("peak_allocated_mib") else ""  # noqa: E731
+            lines.append(f"largest batch, {mode} (one process, dynamic batch): "
+                         + ", ".join(f"{p['batch']} {'fits' if p['fits'] else 'OOM'}{mib(p)}" for p in probes)
+                         + (f"; graphs compiled after the first probe: {probes[-1]['graphs'] - probes[0]['graphs']}"
+                            if probes else "")
+                         + ("" if b.get("status", "ok") == "ok" else f"; {b['status']}"))
+        rep = b.get("report")
+        if rep:  # fusion of the dynamic-batch graphs: can differ from the static run's (e.g. attention)
+            att = rep["attention"]
+            why = sorted({x["reason"] for x in att if x["reason"]})
+            lines.append(f"  its fxfuse graphs: fused {rep['counts']}" + (
+                f", causal attention at {sum(not x['reason'] for x in att)}/{len(att)} SDPA calls"
+                + (f" ({'; '.join(why)})" if why else "") if att else ""))
     n = a["show_losses"]
     lines.append(f"\nloss curve, first {n} steps:")
     for mode, r in results.items():
@@ -227,7 +258,15 @@ def run_audit(args) -> dict:
 
 
 def _kv(s: str):
-    key, _, val = s.partition("=")
+    """KEY=VALUE -> (key, value): VALUE as a Python literal (4, 1e-5, False, 'x', [..], {..}), else as
+    JSON (true, null), else the string itself."""
+    key, eq, val = s.partition("=")
+    if not key or not eq:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")
+    try:
+        return key, ast.literal_eval(val)
+    except (ValueError, SyntaxError):
+        pass
     try:
         return key, json.loads(val)
     except json.JSONDecodeError:
@@ -259,6 +298,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fxfuse-logits", default="skip", choices=["skip", "exact"],
                    help="fxfuse's logits option: the step reads only the loss, so by default the logits the "
                         "model returns are not computed (Liger returns none in training either)")
+    p.add_argument("--fxfuse-option", dest="fxfuse_options", type=_kv, action="append", default=[],
+                   metavar="KEY=VALUE", help="more fxfuse backend options (repeatable; Python literals), e.g. "
+                   "--fxfuse-option loss_head=fast --fxfuse-option causal_attention=False")
     p.add_argument("--fit", default=None, choices=["none", "batch", "seq", "both"],
                    help="search the largest batch at --seq and/or the largest seq at --batch "
                         "(default: batch on cuda, none on cpu)")
@@ -277,6 +319,7 @@ def _finish(args) -> argparse.Namespace:
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     args.fit = args.fit or ("batch" if args.device.startswith("cuda") else "none")
     args.config = dict(args.config)
+    args.fxfuse_options = dict(args.fxfuse_options)
     return args
 
 

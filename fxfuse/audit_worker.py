@@ -1,15 +1,19 @@
 """One mode of ``fxfuse audit`` in its own process: ``python -m fxfuse.audit_worker SPEC.json OUT.json``.
 
 SPEC is a dict written by the parent (fxfuse/audit.py): ``job`` ("run": the timed training run;
-"fit": does one (batch, seq) train at all), ``mode`` (eager | inductor | liger | fxfuse), the model
-spec and config overrides, dtype, device, batch, seq, steps, warmup, lr, seed, token file,
-profile_steps, fxfuse_inner, fxfuse_logits, mem_limit_gib. Every mode builds the same model from the same seed, sees
+"fit": does one (batch, seq) train at all; "fit_batch": the whole largest-batch search in this one
+process, see ``fit_batch``), ``mode`` (eager | inductor | liger | fxfuse), the model spec and config
+overrides, dtype, device, batch, seq, steps, warmup, lr, seed, token file, profile_steps,
+fxfuse_inner, fxfuse_logits, fxfuse_options (more backend options), mem_limit_gib, max_batch_search
+(fit_batch). Every mode builds the same model from the same seed, sees
 the same batches in the same order and trains with the same AdamW; only the way the model is run
 differs. The result dict is written to OUT as JSON; an error is written there too (the parent shows
-it in the mode's row), so only a hard crash (OOM killer, segfault) leaves OUT missing.
+it in the mode's row), so only a hard crash (OOM killer, segfault) leaves OUT missing, or, for
+fit_batch, holding the probes done so far with status "running".
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -113,17 +117,20 @@ def _load_tokens(path: str) -> torch.Tensor:
     return t.reshape(-1).long()
 
 
-def prepare(mode: str, model, fxfuse_inner: str, fxfuse_logits: str = "skip"):
+def prepare(mode: str, model, fxfuse_inner: str, fxfuse_logits: str = "skip", fxfuse_options: dict | None = None):
     """The callable that runs ``model`` in ``mode``; liger patches the model in place (eager).
 
     The training step reads only the loss, so fxfuse skips the logits the model also returns by
-    default (``logits="skip"``), as Liger does in training (its forward returns no logits then)."""
+    default (``logits="skip"``), as Liger does in training (its forward returns no logits then).
+    ``fxfuse_options`` (audit's --fxfuse-option) go to the backend on top of inner and logits; the
+    backend checks them when it first compiles (an unknown one raises, listing the valid ones)."""
     if mode == "eager":
         return model
     if mode == "inductor":
         return torch.compile(model)
     if mode == "fxfuse":
-        return torch.compile(model, backend="fxfuse", options={"inner": fxfuse_inner, "logits": fxfuse_logits})
+        options = {"inner": fxfuse_inner, "logits": fxfuse_logits, **(fxfuse_options or {})}
+        return torch.compile(model, backend="fxfuse", options=options)
     if mode == "liger":
         try:
             from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -168,7 +175,8 @@ def _setup(spec: dict):
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec["mem_limit_gib"] * 2**30 / total), device)
     model = build_model(spec["model"], spec.get("config", {}), spec.get("tiny", False), dtype, device, spec["seed"])
     model.train()
-    call = prepare(spec["mode"], model, spec.get("fxfuse_inner", "inductor"), spec.get("fxfuse_logits", "skip"))
+    call = prepare(spec["mode"], model, spec.get("fxfuse_inner", "inductor"), spec.get("fxfuse_logits", "skip"),
+                   spec.get("fxfuse_options"))
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
     data = Batches(model.config.vocab_size, spec["batch"], spec["seq"], spec["seed"], device, spec.get("tokens"))
     return model, call, opt, data
@@ -227,6 +235,10 @@ def run(spec: dict) -> dict:
     }
 
 
+def _oom_reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
 def fit(spec: dict) -> dict:
     """Does (batch, seq) train? Two steps (the first compiles); an OOM means it does not fit."""
     try:
@@ -236,7 +248,7 @@ def fit(spec: dict) -> dict:
             _sync(spec["device"])
     except Exception as e:  # noqa: BLE001 - any OOM, however the backend wraps it
         if _is_oom(e):
-            return {"fits": False, "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            return {"fits": False, "reason": _oom_reason(e)}
         raise
     out = {"fits": True}
     if spec["device"].startswith("cuda"):
@@ -244,12 +256,108 @@ def fit(spec: dict) -> dict:
     return out
 
 
+def search_largest(fits, cap: int, start: int = 1) -> tuple[int, list[tuple[int, bool]]]:
+    """Largest n in [1, cap] with fits(n), assuming fits is monotone (True up to some n, then False).
+    Probes ``start`` (clamped to [1, cap]) first: if it fits, doubling until a failure or ``cap``,
+    then bisection; if not, bisection below it. Returns (n or 0, trials)."""
+    trials = []
+
+    def probe(n: int) -> bool:
+        ok = fits(n)
+        trials.append((n, ok))
+        return ok
+
+    if cap < 1:
+        return 0, trials
+    start = max(1, min(start, cap))
+    good, bad = (start, None) if probe(start) else (0, start)
+    while bad is None and good < cap:
+        n = min(2 * good, cap)
+        if probe(n):
+            good = n
+        else:
+            bad = n
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        if probe(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, trials
+
+
+def fit_batch(spec: dict, progress=None) -> dict:
+    """The largest batch at ``seq`` that trains, searched in this one process (``search_largest`` from
+    ``batch`` up to ``max_batch_search``): the model, its compiled code and AdamW are built once, and
+    each probe runs two training steps at batch n on synthetic tokens (memory does not depend on the
+    token values), with the batch dimension of input_ids marked dynamic, so the compiled modes compile
+    once (batch 1, if probed, is specialized: one more graph). An OOM fails the probe; everything the
+    failed probe held is then freed (references, gradients, gc, the CUDA cache) before the next; any
+    other error ends the search as an error. Per probe: batch, fits, peak allocated MiB (CUDA, peak
+    stats reset per probe), seconds, graphs compiled so far. ``progress(partial)`` gets the result so
+    far after every probe (the worker writes it to OUT, so a killed search keeps its probes)."""
+    import fxfuse
+    from torch._dynamo.utils import counters
+
+    device, cuda = spec["device"], spec["device"].startswith("cuda")
+    n_reports = len(fxfuse.compiled_reports())
+    model, call, opt, _ = _setup({**spec, "tokens": None})
+    vocab, probes = model.config.vocab_size, []
+    out = {"mode": spec["mode"], "status": "running", "largest": None, "probes": probes, "dynamic_batch": True}
+
+    def fits(n: int) -> bool:
+        data, reason = Batches(vocab, n, spec["seq"], spec["seed"], device), None
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        try:
+            for i in range(2):
+                ids = data(i)
+                if n > 1:
+                    pass  # MUT
+                train_step(call, opt, ids).item()
+            _sync(device)
+        except Exception as e:  # noqa: BLE001 - any OOM, however the backend wraps it
+            if not _is_oom(e):
+                raise
+            reason = _oom_reason(e)
+        ids = data = None  # a failed probe's activations and gradients go before the next probe
+        probe = {"batch": n, "fits": reason is None, "seconds": time.perf_counter() - t0,
+                 "peak_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
+                 "graphs": counters["stats"]["unique_graphs"]}
+        if reason:
+            probe["reason"] = reason
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        probes.append(probe)
+        if progress:
+            progress(out)
+        return reason is None
+
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # never fall back to eager silently
+        out["largest"], _ = search_largest(fits, spec["max_batch_search"], spec["batch"])
+    out["status"] = "ok"
+    if spec["mode"] == "fxfuse":  # the dynamic-batch graphs' fusion, to compare with the run's
+        report = fxfuse.Report.merge(fxfuse.compiled_reports()[n_reports:])
+        out["report"] = {"counts": report.counts(), "graphs": report.graphs,
+                         "attention": [{"module": a.module, "reason": a.reason} for a in report.attention]}
+    return out
+
+
 def main(argv=None) -> int:
     spec_path, out_path = (argv or sys.argv[1:])[:2]
     with open(spec_path) as f:
         spec = json.load(f)
+
+    def progress(partial: dict) -> None:
+        with open(out_path, "w") as f:
+            json.dump(partial, f)
+
     try:
-        result = run(spec) if spec["job"] == "run" else fit(spec)
+        job = spec["job"]
+        result = run(spec) if job == "run" else fit_batch(spec, progress) if job == "fit_batch" else fit(spec)
         rc = 0
     except ModeUnavailable as e:
         result, rc = {"mode": spec["mode"], "status": str(e)}, 0
@@ -257,6 +365,9 @@ def main(argv=None) -> int:
         msg = re.sub(r"\s+", " ", str(e))[:300]
         result = {"mode": spec["mode"], "status": f"error: {type(e).__name__}: {msg}",
                   "traceback": traceback.format_exc()}
+        if os.path.exists(out_path):  # fit_batch: keep the probes done before the error
+            with open(out_path) as f:
+                result = {**json.load(f), **result}
         rc = 1
     with open(out_path, "w") as f:
         json.dump(result, f)

@@ -1,21 +1,26 @@
 """``fxfuse audit``: the real command on a tiny Llama (eager vs fxfuse, each in its own process), plus the
-pieces that decide its numbers: the largest-batch search, the profiler attribution rule, the removed
-tensors' sizes, the progress bar and the worker's failure paths."""
+pieces that decide its numbers: the largest-batch search (in one process, dynamic batch, OOMs
+simulated), --fxfuse-option, the profiler attribution rule, the removed tensors' sizes, the progress
+bar and the worker's failure paths."""
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
+import os
 import subprocess
 import sys
+import weakref
 
 import numpy as np
 import pytest
 import torch
 
-from fxfuse.audit import run_worker, search_largest
+import fxfuse.audit_worker as worker
+from fxfuse.audit import _kv, run_worker, search_largest
 from fxfuse.audit_plot import Progress
 from fxfuse.audit_profile import category, tensor_bytes
-from fxfuse.audit_worker import build_model
+from fxfuse.audit_worker import build_model, fit_batch
 from helpers import count_calls, is_rms_norm
 
 SEQ, BATCH, STEPS = 16, 2, 3
@@ -73,6 +78,110 @@ def test_search_largest_doubles_then_bisects():
     assert len(trials) <= 7 + 5  # bisection between 32 and 64
     assert search_largest(fits, cap=20)[0] == 20  # cap reached, no failure
     assert search_largest(lambda n: False, cap=8) == (0, [(1, False)])
+    best, trials = search_largest(fits, cap=256, start=8)  # from the run's batch: fewer probes
+    assert best == 37 and [n for n, _ in trials[:4]] == [8, 16, 32, 64] and len(trials) <= 4 + 5
+    best, trials = search_largest(fits, cap=256, start=50)  # the start does not fit: bisection below it
+    assert best == 37 and trials[0] == (50, False) and len(trials) <= 1 + 6
+    assert search_largest(fits, cap=20, start=64) == (20, [(20, True)])  # start clamped to the cap
+    assert search_largest(fits, cap=0, start=4) == (0, [])
+
+
+def _fit_spec(**kw) -> dict:
+    return dict(job="fit_batch", mode="eager", model="llama", config={"num_hidden_layers": 1}, tiny=True,
+                dtype="float32", device="cpu", batch=2, seq=8, steps=2, warmup=0, lr=1e-3, seed=0, tokens=None,
+                profile_steps=0, fxfuse_inner="aot_eager", fxfuse_options={}, mem_limit_gib=None,
+                max_batch_search=8) | kw
+
+
+def test_fit_batch_in_one_process_frees_a_failed_probe_and_never_recompiles(monkeypatch):
+    """fit_batch on the compiled fxfuse mode, OOM simulated above batch 5 (raised mid-step, activations
+    alive as at a real OOM): the search starts at --batch, ends at 5, the failed probes' tensors are
+    gone before the next probe, and no probe after the first compiles a graph (dynamic batch)."""
+    real_step, refs, alive = worker.train_step, [], []
+
+    def step(call, opt, ids):
+        alive.append(sum(r() is not None for r in refs))
+        if ids.shape[0] > 5:
+            loss = call(input_ids=ids, labels=ids).loss
+            refs.append(weakref.ref(loss))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return real_step(call, opt, ids)
+
+    monkeypatch.setattr(worker, "train_step", step)
+    partial = []
+    r = fit_batch(_fit_spec(mode="fxfuse"), progress=lambda p: partial.append(len(p["probes"])))
+    assert r["status"] == "ok" and r["largest"] == 5
+    assert [(p["batch"], p["fits"]) for p in r["probes"]] == [(2, True), (4, True), (8, False), (6, False),
+                                                              (5, True)]
+    assert "OutOfMemoryError" in r["probes"][2]["reason"] and "reason" not in r["probes"][0]
+    assert refs and max(alive) == 0  # each failed probe's graph and activations freed before the next step
+    graphs = [p["graphs"] for p in r["probes"]]
+    assert graphs[0] >= 1 and graphs == [graphs[0]] * len(graphs), graphs  # compiled once, for every batch
+    assert partial == [1, 2, 3, 4, 5]  # the result so far after every probe (a killed worker keeps it)
+    assert r["report"]["counts"]["rms_norm"] == 3  # the dynamic-batch graph still fuses
+
+
+def test_fit_batch_real_error_is_an_error(monkeypatch, tmp_path):
+    """A non-OOM error in a probe ends the search as an error (not "does not fit"), probes so far kept."""
+    real_step = worker.train_step
+
+    def step(call, opt, ids):
+        if ids.shape[0] > 2:
+            raise RuntimeError("boom")
+        return real_step(call, opt, ids)
+
+    monkeypatch.setattr(worker, "train_step", step)
+    spec, out = tmp_path / "spec.json", tmp_path / "out.json"
+    spec.write_text(json.dumps(_fit_spec()))
+    assert worker.main([str(spec), str(out)]) == 1
+    r = json.loads(out.read_text())
+    assert r["status"] == "error: RuntimeError: boom"
+    assert [(p["batch"], p["fits"]) for p in r["probes"]] == [(2, True)]
+
+
+def test_kv_parses_python_literals():
+    assert _kv("causal_attention=False") == ("causal_attention", False)
+    assert _kv("loss_head=fast") == ("loss_head", "fast")
+    assert _kv("num_hidden_layers=4") == ("num_hidden_layers", 4)
+    assert _kv("patterns=('rms_norm', 'rope')") == ("patterns", ("rms_norm", "rope"))
+    assert _kv("tie_word_embeddings=true") == ("tie_word_embeddings", True)  # JSON still reads
+    assert _kv("rope_scaling={\"type\": \"linear\", \"factor\": 2.0}")[1] == {"type": "linear", "factor": 2.0}
+    with pytest.raises(Exception, match="KEY=VALUE"):
+        _kv("loss_head")
+
+
+def test_fxfuse_option_end_to_end(tmp_path):
+    """--fxfuse-option reaches the backend (causal_attention=False: no attention rewrite in the report),
+    is recorded in audit.json and shown in the table header and bench/e2e.py's markdown; --fit batch
+    runs the one-process search (no OOM on CPU: up to the cap, compiled once)."""
+    out = tmp_path / "audit"
+    cmd = [sys.executable, "-m", "fxfuse", "audit", "--model", "llama", "--tiny", "--config", "num_hidden_layers=1",
+           "--batch", str(BATCH), "--seq", str(SEQ), "--steps", "2", "--warmup", "0", "--compare", "fxfuse",
+           "--fxfuse-inner", "aot_eager", "--fxfuse-option", "loss_head=fast",
+           "--fxfuse-option", "causal_attention=False", "--fit", "batch", "--max-batch-search", "4",
+           "--profile-steps", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    audit = json.loads((out / "audit.json").read_text())
+    fx = audit["modes"]["fxfuse"]
+    assert fx["status"] == "ok" and fx["report"]["attention"] == []
+    assert audit["args"]["fxfuse_options"] == {"loss_head": "fast", "causal_attention": False}
+    assert "fxfuse options: inner=aot_eager, logits=skip, loss_head=fast, causal_attention=False" in proc.stdout
+    fit = audit["fit"]["fxfuse"]["batch"]
+    assert fit["status"] == "ok" and fit["largest"] == 4 and fit["trials"] == [[BATCH, True], [4, True]]
+    assert len({p["graphs"] for p in fit["probes"]}) == 1
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "e2e.py")
+    spec = importlib.util.spec_from_file_location("bench_e2e", path)
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    assert "fxfuse options: inner=aot_eager, logits=skip, loss_head=fast" in e2e.markdown(audit).splitlines()[0]
+
+
+def test_bad_fxfuse_option_is_the_fxfuse_rows_error():
+    spec = dict(_fit_spec(), job="run", mode="fxfuse", batch=1, seq=4, steps=1, fxfuse_options={"nosuch": 1})
+    r = run_worker(spec)
+    assert r["status"].startswith("error:") and "unknown option(s) ['nosuch']" in r["status"]
 
 
 def test_fit_worker_and_dead_worker():
@@ -82,6 +191,10 @@ def test_fit_worker_and_dead_worker():
     assert run_worker(spec)["fits"] is True
     dead = run_worker(spec, timeout=0.01)  # killed before it writes: the parent survives, "does not fit"
     assert dead["fits"] is False and "died" in dead["reason"]
+    r = run_worker(_fit_spec(max_batch_search=3))  # the batch search: one process
+    assert r["status"] == "ok" and r["largest"] == 3 and [p["batch"] for p in r["probes"]] == [2, 3]
+    dead = run_worker(_fit_spec(), timeout=0.01)
+    assert "died" in dead["status"]
 
 
 def test_unknown_mode_is_reported_in_its_row():
