@@ -16,7 +16,8 @@ state, compiled code or warm caches. The parent prints one table and writes ``au
   batch dimension of input_ids is dynamic, so a compiled mode compiles once, not once per probe; an OOM
   fails a probe and is cleaned up in-process, a killed worker is reported as died (with the probes
   done so far). Dynamic-shape graphs can differ from the run's static ones (fxfuse's causal-attention
-  rewrite needs static shapes; the table says what fused in them). The sequence search runs every
+  rewrite needs static shapes; the table says what fused in them): ``--fit-shapes static`` compiles
+  once per probed batch instead, still in one process. The sequence search runs every
   probe in its own process (each recompiles);
 - the share of step time in the target ops (torch.profiler; attribution rule in audit_profile.py);
 - the loss curve of every mode and its largest divergence from eager's;
@@ -77,7 +78,7 @@ def _base_spec(args) -> dict:
                 batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
                 tokens=args.tokens, profile_steps=args.profile_steps, fxfuse_inner=args.fxfuse_inner,
                 fxfuse_logits=args.fxfuse_logits, fxfuse_options=args.fxfuse_options,
-                memory_peak=args.memory_peak, mem_limit_gib=args.mem_limit_gib)
+                memory_peak=args.memory_peak, mem_limit_gib=args.mem_limit_gib, fit_shapes=args.fit_shapes)
 
 
 def fxfuse_options(a: dict) -> dict:
@@ -182,7 +183,7 @@ def render(audit: dict) -> str:
         probes = b.get("probes") or []
         if probes or b.get("status", "ok") != "ok":
             mib = lambda p: f" {p['peak_allocated_mib']:.0f} MiB" if p.get("peak_allocated_mib") else ""  # noqa: E731
-            lines.append(f"largest batch, {mode} (one process, dynamic batch): "
+            lines.append(f"largest batch, {mode} (one process, {a.get('fit_shapes', 'dynamic')} batch): "
                          + ", ".join(f"{p['batch']} {'fits' if p['fits'] else 'OOM'}{mib(p)}" for p in probes)
                          + (f"; graphs compiled after the first probe: {probes[-1]['graphs'] - probes[0]['graphs']}"
                             if probes else "")
@@ -304,6 +305,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fit", default=None, choices=["none", "batch", "seq", "both"],
                    help="search the largest batch at --seq and/or the largest seq at --batch "
                         "(default: batch on cuda, none on cpu)")
+    p.add_argument("--fit-shapes", default="dynamic", choices=["dynamic", "static"],
+                   help="batch search: dynamic batch dimension, compiled once (default), or static shapes, "
+                        "one compile per trial (the run's exact graphs: fxfuse's causal-attention rewrite "
+                        "needs static shapes)")
     p.add_argument("--max-batch-search", type=int, default=256, help="batch search cap (0: skip)")
     p.add_argument("--max-seq-search", type=int, default=32768, help="sequence search cap (0: skip)")
     p.add_argument("--mem-limit-gib", type=float, default=None, help="CUDA memory cap for every mode")

@@ -5,7 +5,7 @@ SPEC is a dict written by the parent (fxfuse/audit.py): ``job`` ("run": the time
 process, see ``fit_batch``), ``mode`` (eager | inductor | liger | fxfuse), the model spec and config
 overrides, dtype, device, batch, seq, steps, warmup, lr, seed, token file, profile_steps,
 fxfuse_inner, fxfuse_logits, fxfuse_options (more backend options), mem_limit_gib, max_batch_search
-(fit_batch). Every mode builds the same model from the same seed, sees
+and fit_shapes (fit_batch). Every mode builds the same model from the same seed, sees
 the same batches in the same order and trains with the same AdamW; only the way the model is run
 differs. The result dict is written to OUT as JSON; an error is written there too (the parent shows
 it in the mode's row), so only a hard crash (OOM killer, segfault) leaves OUT missing, or, for
@@ -291,7 +291,9 @@ def fit_batch(spec: dict, progress=None) -> dict:
     ``batch`` up to ``max_batch_search``): the model, its compiled code and AdamW are built once, and
     each probe runs two training steps at batch n on synthetic tokens (memory does not depend on the
     token values), with the batch dimension of input_ids marked dynamic, so the compiled modes compile
-    once (batch 1, if probed, is specialized: one more graph). An OOM fails the probe; everything the
+    once (batch 1, if probed, is specialized: one more graph). ``fit_shapes="static"``: no dynamic
+    dimension, one compile per probed batch (the run's exact static graphs, at the old cost per probe;
+    fxfuse's causal-attention rewrite needs static shapes). An OOM fails the probe; everything the
     failed probe held is then freed (references, gradients, gc, the CUDA cache) before the next; any
     other error ends the search as an error. Per probe: batch, fits, peak allocated MiB (CUDA, peak
     stats reset per probe), seconds, graphs compiled so far. ``progress(partial)`` gets the result so
@@ -300,10 +302,11 @@ def fit_batch(spec: dict, progress=None) -> dict:
     from torch._dynamo.utils import counters
 
     device, cuda = spec["device"], spec["device"].startswith("cuda")
+    dynamic = spec.get("fit_shapes", "dynamic") == "dynamic"
     n_reports = len(fxfuse.compiled_reports())
     model, call, opt, _ = _setup({**spec, "tokens": None})
     vocab, probes = model.config.vocab_size, []
-    out = {"mode": spec["mode"], "status": "running", "largest": None, "probes": probes, "dynamic_batch": True}
+    out = {"mode": spec["mode"], "status": "running", "largest": None, "probes": probes, "dynamic_batch": dynamic}
 
     def fits(n: int) -> bool:
         data, reason = Batches(vocab, n, spec["seq"], spec["seed"], device), None
@@ -313,8 +316,8 @@ def fit_batch(spec: dict, progress=None) -> dict:
         try:
             for i in range(2):
                 ids = data(i)
-                if n > 1:
-                    pass  # MUT
+                if dynamic and n > 1:
+                    torch._dynamo.maybe_mark_dynamic(ids, 0)
                 train_step(call, opt, ids).item()
             _sync(device)
         except Exception as e:  # noqa: BLE001 - any OOM, however the backend wraps it
@@ -336,7 +339,8 @@ def fit_batch(spec: dict, progress=None) -> dict:
             progress(out)
         return reason is None
 
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # never fall back to eager silently
+    static = {} if dynamic else dict(automatic_dynamic_shapes=False, recompile_limit=64)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, **static):  # never eager silently
         out["largest"], _ = search_largest(fits, spec["max_batch_search"], spec["batch"])
     out["status"] = "ok"
     if spec["mode"] == "fxfuse":  # the dynamic-batch graphs' fusion, to compare with the run's

@@ -121,6 +121,16 @@ def test_fit_batch_in_one_process_frees_a_failed_probe_and_never_recompiles(monk
     assert r["report"]["counts"]["rms_norm"] == 3  # the dynamic-batch graph still fuses
 
 
+def test_fit_batch_static_shapes_compiles_per_batch():
+    """--fit-shapes static: one graph per probed batch, as the run compiles it (the causal-attention
+    rewrite, which needs static shapes, applies)."""
+    r = fit_batch(_fit_spec(mode="fxfuse", fit_shapes="static", max_batch_search=4))
+    assert r["largest"] == 4 and r["dynamic_batch"] is False
+    graphs = [p["graphs"] for p in r["probes"]]
+    assert graphs[1] == graphs[0] + 1
+    assert r["report"]["attention"] and all(not a["reason"] for a in r["report"]["attention"])
+
+
 def test_fit_batch_real_error_is_an_error(monkeypatch, tmp_path):
     """A non-OOM error in a probe ends the search as an error (not "does not fit"), probes so far kept."""
     real_step = worker.train_step
