@@ -151,12 +151,15 @@ def tensor_bytes(desc: str) -> tuple[str, str, list, int | None]:
 
 def removed_tensors(report, top: int = 8) -> dict:
     """Per pattern (largest first): sites, bytes no longer written per step at the traced shapes, and
-    the ``top`` largest such tensors with the module they belonged to (from ``Site.saved_tensors``)."""
+    the ``top`` largest such tensors with the module they belonged to (from ``Site.saved_tensors``);
+    ``recomputed_bytes_per_step``: fused outputs no longer kept for backward (``Site.recomputed``)."""
     out = {}
     causal = [s for s in report.attention if s.saved_tensors]  # repeat_kv copies no longer written
     for site in report.matched + causal:
-        agg = out.setdefault(site.pattern, {"sites": 0, "bytes_per_step": 0, "unknown_size": 0, "tensors": []})
+        agg = out.setdefault(site.pattern, {"sites": 0, "bytes_per_step": 0, "unknown_size": 0, "tensors": [],
+                                            "recomputed_bytes_per_step": 0})
         agg["sites"] += 1
+        agg["recomputed_bytes_per_step"] += sum(tensor_bytes(d)[3] or 0 for d in getattr(site, "recomputed", []))
         for desc in site.saved_tensors:
             name, dtype, shape, nbytes = tensor_bytes(desc)
             agg["tensors"].append({"tensor": name, "dtype": dtype, "shape": shape, "bytes": nbytes,

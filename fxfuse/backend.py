@@ -44,7 +44,8 @@ def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.Gra
     try:
         aten_gm = to_aten(gm, example_inputs)
         before = aten_gm.code if opts.debug_dir else ""
-        report = rewrite(aten_gm, selected_patterns(opts.patterns), skip_escapes=opts.logits == "skip")
+        report = rewrite(aten_gm, selected_patterns(opts.patterns), skip_escapes=opts.logits == "skip",
+                         recompute=opts.recompute)
         if opts.loss_head != "lean":
             _set_loss_head(aten_gm, opts.loss_head)
         if opts.causal_attention:
@@ -95,11 +96,17 @@ def inner_compile(gm: fx.GraphModule, example_inputs, opts: Options, mode: str |
         from torch._dynamo.backends.debugging import aot_eager
 
         return aot_eager(gm, example_inputs)
+    from torch._functorch import config as functorch_config
     from torch._inductor import config, list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
     mode_opts = list_mode_options(mode) if mode not in (None, "default") else {}
-    with config.patch({**mode_opts, **opts.inductor_config}):
+    # AOTAutograd's cache keys a graph by its code, not by node meta: a graph whose fused calls are
+    # tagged for recomputation would share an entry with the same graph untagged (and get the wrong
+    # saved set). Tagged graphs skip that cache; Inductor's own cache of the partitioned graphs stays.
+    tagged = any("recompute" in n.meta for n in gm.graph.nodes)
+    with config.patch({**mode_opts, **opts.inductor_config}), \
+            functorch_config.patch(enable_autograd_cache=functorch_config.enable_autograd_cache and not tagged):
         return compile_fx(gm, example_inputs)
 
 

@@ -17,6 +17,8 @@ DOC = {
     "loss_head": "'lean' (default): the fused loss head recomputes logits in backward (4 matmuls, "
                  "~100 MiB above dW + dx); 'fast': gradients formed in the forward (3 matmuls, "
                  "+ an [N/8, V] logits block)",
+    "recompute": "True (default): fused RMSNorm and SwiGLU outputs are recomputed in backward from the "
+                 "inputs their backward keeps anyway, not saved for the next matmul; False: saved",
     "causal_attention": "True (default): an SDPA call whose mask is a constant causal mask gets "
                         "is_causal=True instead (and enable_gqa for repeated k/v); False: left as is",
 }
@@ -31,6 +33,7 @@ class Options:
     logits: str = "exact"
     causal_attention: bool = True
     loss_head: str = "lean"
+    recompute: bool = True
 
     @classmethod
     def parse(cls, options: dict | None) -> Options:
@@ -57,5 +60,8 @@ class Options:
         loss_head = options.get("loss_head", "lean")
         if loss_head not in ("lean", "fast"):
             raise ValueError(f"fxfuse: option 'loss_head' must be 'lean' or 'fast', got {loss_head!r}")
+        recompute = options.get("recompute", True)
+        if not isinstance(recompute, bool):
+            raise ValueError(f"fxfuse: option 'recompute' must be True or False, got {recompute!r}")
         return cls(inner, pats, debug_dir, dict(options.get("inductor_config") or {}), logits, causal,
-                   loss_head)
+                   loss_head, recompute)

@@ -86,6 +86,9 @@ class Pattern:
     # FX node -> True if it marks a candidate site (reported as unmatched when no match covers it)
     is_candidate: Callable[[fx.Node], bool] = lambda n: False
     saved: Callable[[Any], str] = lambda m: ""  # what the fusion stops writing, for the report
+    # the fused op's output is cheap to recompute from inputs its backward keeps anyway (RMSNorm: x;
+    # SwiGLU: gate, up): tagged for recomputation, the output is not saved for the matmul after it
+    recompute: bool = False
 
     def __hash__(self):
         return hash(self.name)

@@ -28,6 +28,9 @@ class Site:
     nodes: list[str] = field(default_factory=list)  # FX nodes of the site (ATen graph)
     saved: str = ""  # matched only: how much the fusion stops writing per call, e.g. "6 tensors, 7.0 KiB"
     saved_tensors: list[str] = field(default_factory=list)  # matched only: "name:dtype[shape]" of each
+    # matched only: "name:dtype[shape]" of fused outputs recomputed in backward instead of kept for it
+    # (option recompute; still written once in forward, for the op that reads them)
+    recomputed: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -137,10 +137,24 @@ def _lower(pattern: Pattern, group: list[Match], graph: fx.Graph) -> list[fx.Nod
     return [pattern.lower(group[0], graph)]
 
 
-def rewrite(gm: fx.GraphModule, patterns: list[Pattern], skip_escapes: bool = False) -> Report:
+def _tag_recompute(nodes) -> None:
+    """Mark fused op calls for recomputation in backward. AOTAutograd copies a node's "recompute"
+    meta onto the ATen nodes traced from it (torch.fx.proxy._COPY_META_FIELDS) and the min-cut
+    partitioner then recomputes them instead of saving their outputs (as for checkpointed regions)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for n in nodes:
+        if n.op == "call_function" and str(n.target).startswith("fxfuse."):
+            n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def rewrite(gm: fx.GraphModule, patterns: list[Pattern], skip_escapes: bool = False,
+            recompute: bool = False) -> Report:
     """Fuse every accepted match of each pattern in gm (in place); report what happened.
     skip_escapes: values a match lets escape (returned logits) are not computed: their outputs
-    become empty placeholders, listed in report.skipped_outputs (positions in the output tuple)."""
+    become empty placeholders, listed in report.skipped_outputs (positions in the output tuple).
+    recompute: fused calls of patterns with ``recompute=True`` are tagged for recomputation in
+    backward (their outputs are not saved)."""
     report = Report(graphs=1)
     skipped: list[fx.Node] = []
     for pattern in patterns:
@@ -159,11 +173,17 @@ def rewrite(gm: fx.GraphModule, patterns: list[Pattern], skip_escapes: bool = Fa
                 report.unmatched.append(_site(pattern.name, first, variant,
                                               reason=f"lowering failed: {type(e).__name__}: {e}"))
                 continue
+            recomputed = []
+            if recompute and pattern.recompute:
+                _tag_recompute(set(gm.graph.nodes) - before)
+                recomputed = [tensor_desc(m.anchor, val(m.anchor)) for m in group if val(m.anchor) is not None]
             saved = [saved_bytes(m) for m in group]
             nbytes, names = sum(b for b, _ in saved), [t for _, ts in saved for t in ts]
+            note = f", output recomputed in backward ({sum(bytes_of(val(m.anchor)) for m in group) / 2**10:.1f} KiB)"
             report.matched.append(_site(
-                pattern.name, first, variant, saved=f"{len(names)} tensors, {nbytes / 2**10:.1f} KiB/call",
-                saved_tensors=names, nodes=sorted(n.name for m in group for n in m.region)))
+                pattern.name, first, variant,
+                saved=f"{len(names)} tensors, {nbytes / 2**10:.1f} KiB/call" + (note if recomputed else ""),
+                saved_tensors=names, recomputed=recomputed, nodes=sorted(n.name for m in group for n in m.region)))
             for m, new in zip(group, news):
                 for k in _CARRIED_META:
                     if k in m.anchor.meta:

@@ -122,6 +122,7 @@ PATTERN = Pattern(
     dtypes=({"x": _bf, "w": _bf}, {"x": _f32, "w": _f32}, {"x": _bf, "w": _f32}),
     check=check,
     lower=lower,
+    recompute=True,
     is_candidate=lambda n: n.target == torch.ops.aten.rms_norm.default or (
         n.target == torch.ops.aten.rsqrt.default and not _centred(n)),
 )

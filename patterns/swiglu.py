@@ -80,5 +80,6 @@ PATTERN = Pattern(
     dtypes=({"gate": _bf, "up": _bf}, {"gate": _f32, "up": _f32}),
     check=check,
     lower=lower,
+    recompute=True,
     is_candidate=_is_candidate,
 )
