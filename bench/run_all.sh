@@ -14,8 +14,10 @@ set -u
 repo=$(pwd)
 out=${OUT:-$repo/bench_logs}
 mkdir -p "$out" /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . 2>&1 | tail -2
+if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: runs in parallel on several GPUs after one install
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . 2>&1 | tail -2
+fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 cd /tmp
 {
