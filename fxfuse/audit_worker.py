@@ -44,6 +44,13 @@ PRESETS = {
 MODES = ("eager", "inductor", "liger", "fxfuse")
 
 
+def device_index(device: str, current) -> int:
+    """Index of a "cuda[:N]" device; plain "cuda" is current() (set_per_process_memory_fraction
+    refuses a device without an index: the first H200 run of --mem-limit-gib failed on that)."""
+    index = torch.device(device).index
+    return current() if index is None else index
+
+
 def build_model(spec: str, overrides: dict, tiny: bool, dtype: torch.dtype, device: str, seed: int):
     """HF causal LM from a preset name, an HF model type, a config.json path or a local checkpoint folder.
 
@@ -171,8 +178,9 @@ def train_step(call, opt, ids) -> torch.Tensor:
 def _setup(spec: dict):
     device, dtype = spec["device"], getattr(torch, spec["dtype"])
     if device.startswith("cuda") and spec.get("mem_limit_gib"):
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["mem_limit_gib"] * 2**30 / total), device)
+        index = device_index(device, torch.cuda.current_device)
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["mem_limit_gib"] * 2**30 / total), index)
     model = build_model(spec["model"], spec.get("config", {}), spec.get("tiny", False), dtype, device, spec["seed"])
     model.train()
     call = prepare(spec["mode"], model, spec.get("fxfuse_inner", "inductor"), spec.get("fxfuse_logits", "skip"),

@@ -293,3 +293,10 @@ def test_memory_peak_replays_the_allocator_trace():
                              {"where": "rms_norm.py:7 _fwd", "mib": 50.0, "blocks": 1}]
     text = "\n".join(render("fxfuse", peak))
     assert "180 MiB" in text and "modeling_llama.py:42" in text
+
+
+def test_mem_limit_device_index():
+    from fxfuse.audit_worker import device_index
+
+    assert device_index("cuda", lambda: 3) == 3
+    assert device_index("cuda:1", lambda: 3) == 1
