@@ -46,8 +46,8 @@ def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.Gra
         before = aten_gm.code if opts.debug_dir else ""
         report = rewrite(aten_gm, selected_patterns(opts.patterns), skip_escapes=opts.logits == "skip",
                          recompute=opts.recompute)
-        if opts.loss_head != "lean":
-            _set_loss_head(aten_gm, opts.loss_head)
+        if opts.loss_head_algorithm() != "lean":
+            _set_loss_head(aten_gm, opts.loss_head_algorithm())
         if opts.causal_attention:
             done, left = causal_attention(aten_gm)
             report.attention = done + left

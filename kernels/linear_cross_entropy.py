@@ -23,8 +23,10 @@ Backward, with w_n = dloss/drow_n (grad / count or grad; 0 on ignored rows):
 Algorithms: "fast" (3 matmuls, kernels/linear_cross_entropy_fast.py) forms the gradients in the
 forward from [R, V] logits blocks in the input dtype (R*V*element_size above dW + dx: 250 MiB at
 N=8192, V=128256 bf16) and backward only scales them; "lean" (4 matmuls, below) keeps ~104 MiB
-above dW + dx. "lean" is the default (the backend's option ``loss_head`` picks): it meets the 1.1x
-memory bound; "fast" trades R*V*element_size of memory for the fourth matmul. A forward that needs
+above dW + dx. The backend's option ``loss_head`` picks; its default "auto" takes "fast" under
+Inductor (its compiled backward scales the saved gradients in place) and "lean" (which meets the
+1.1x memory bound also in eager autograd) otherwise; "fast" trades R*V*element_size of memory for
+the fourth matmul. A forward that needs
 no gradient (eval, no_grad, nothing requiring grad) always runs the lean forward (one matmul).
 
 Lean design: chunk rows into passes of R tokens and the vocabulary into chunks of C columns. Forward
