@@ -34,9 +34,13 @@ _VIEWS = frozenset((aten.expand.default, aten.unsqueeze.default, aten.slice.Tens
                     aten.alias.default))
 
 
-def causal_attention(gm: fx.GraphModule) -> tuple[list[Site], list[Site]]:
-    """Rewrite every SDPA call of gm whose mask is provably causal; (rewritten, left) sites."""
+def causal_attention(gm: fx.GraphModule, assume: dict | None = None) -> tuple[list[Site], list[Site]]:
+    """Rewrite every SDPA call of gm whose mask is provably causal; (rewritten, left) sites.
+    assume: {placeholder: (Tq, Tk)} graph inputs taken as causal masks of that size (the caller
+    checks the input's value before running this graph: fxfuse/attention_tags.py); their sites
+    get the variant suffix "_checked"."""
     done, left = [], []
+    assume = assume or {}
     verdicts = {}  # (mask, q shape, k shape) -> reason: every layer's call shares one mask, evaluated once
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == _SDPA]:
         args = _sdpa_args(node)
@@ -44,7 +48,11 @@ def causal_attention(gm: fx.GraphModule) -> tuple[list[Site], list[Site]]:
             continue
         key = (args["attn_mask"], *(_shape_key(args[a]) for a in ("query", "key")))
         if key not in verdicts:
-            verdicts[key] = _why_not_causal(args["attn_mask"], args["query"], args["key"])
+            if args["attn_mask"] in assume:
+                ok = _input_mask_size(args["attn_mask"], args["query"], args["key"]) == assume[args["attn_mask"]]
+                verdicts[key] = "" if ok else "tagged mask input does not fit this call's q / k lengths"
+            else:
+                verdicts[key] = _why_not_causal(args["attn_mask"], args["query"], args["key"])
         reason = verdicts[key]
         if reason:
             left.append(_site(node, "", reason))
@@ -58,10 +66,12 @@ def causal_attention(gm: fx.GraphModule) -> tuple[list[Site], list[Site]]:
                 "attn_mask": None, "dropout_p": args["dropout_p"], "is_causal": True,
                 "scale": args["scale"], "enable_gqa": gqa})
         new.meta = dict(node.meta)
+        old_name = node.name
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        site = _site(new, "sdpa_causal_gqa" if unrepeated is not None else "sdpa_causal", "",
-                     [n.name for n in (new, args["attn_mask"])])
+        variant = ("sdpa_causal_gqa" if unrepeated is not None else "sdpa_causal") + (
+            "_checked" if args["attn_mask"] in assume else "")
+        site = _site(new, variant, "", [new.name, args["attn_mask"].name, old_name])
         if unrepeated is not None:  # the repeated k, v [B, H, T, D] are no longer written (nor saved)
             reps = [args["key"], args["value"]]
             site.saved_tensors = [tensor_desc(n, _val(n)) for n in reps]
@@ -71,6 +81,50 @@ def causal_attention(gm: fx.GraphModule) -> tuple[list[Site], list[Site]]:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return done, left
+
+
+def causal_outputs(gm: fx.GraphModule) -> list[tuple[int, tuple[int, int]]]:
+    """(position, (Tq, Tk)) of each graph output that is a constant causal mask (proven as for SDPA's
+    mask argument). A model split into several graphs (a graph break, FSDP2's per-layer hooks)
+    builds its mask in one graph and attends in others: the backend tags these outputs at run time
+    so that the attending graphs can trust their mask input (fxfuse/attention_tags.py)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (list, tuple)) else ()
+    found = []
+    for i, a in enumerate(values):
+        v = _val(a)
+        if v is None or v.dim() < 2 or not _static(v) or not (v.dtype == torch.bool or v.is_floating_point()):
+            continue
+        if a.op == "placeholder":  # an input passed through: nothing proven here
+            continue
+        tq, tk = v.shape[-2:]
+        if _mask_verdict(a, tq, tk) == "":
+            found.append((i, (tq, tk)))
+    return found
+
+
+def mask_inputs(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, int]]:
+    """{placeholder: (Tq, Tk)} of graph inputs used directly as the mask of SDPA calls that could be
+    causal: 4-D q / k of static lengths, a bool or float mask input ending in [Tq, Tk]."""
+    found: dict[fx.Node, tuple[int, int]] = {}
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == _SDPA]:
+        args = _sdpa_args(node)
+        mask = args["attn_mask"]
+        if isinstance(mask, fx.Node) and mask.op == "placeholder":
+            size = _input_mask_size(mask, args["query"], args["key"])
+            if size is not None and found.setdefault(mask, size) != size:
+                found[mask] = None  # one input used at two sizes: leave it alone
+    return {m: s for m, s in found.items() if s is not None}
+
+
+def _input_mask_size(mask: fx.Node, q: fx.Node, k: fx.Node) -> tuple[int, int] | None:
+    qv, kv, mv = _val(q), _val(k), _val(mask)
+    if qv is None or kv is None or mv is None or qv.dim() != 4 or not (_static(qv) and _static(kv)):
+        return None
+    if not (mv.dtype == torch.bool or mv.is_floating_point()) or not _static(mv) or mv.dim() < 2:
+        return None
+    size = (qv.shape[-2], kv.shape[-2])
+    return size if tuple(mv.shape[-2:]) == size else None
 
 
 def _shape_key(x) -> str | None:
@@ -106,13 +160,18 @@ def _why_not_causal(mask: fx.Node, q: fx.Node, k: fx.Node) -> str:
     qv, kv = _val(q), _val(k)
     if qv is None or kv is None or qv.dim() != 4 or not (_static(qv) and _static(kv)):
         return "query/key are not 4-D tensors of static shape"
+    return _mask_verdict(mask, qv.shape[-2], kv.shape[-2])
+
+
+def _mask_verdict(mask: fx.Node, tq: int, tk: int) -> str:
+    """Empty if the value of mask equals SDPA's causal mask for lengths (tq, tk) at every leading
+    index; else why it was left alone."""
     cone = _constant_cone(mask)
     if isinstance(cone, str):
         return cone
     value = _evaluate(cone, mask)
     if isinstance(value, str):
         return value
-    tq, tk = qv.shape[-2], kv.shape[-2]
     if value.dim() > 4 or value.shape[-2:] != (tq, tk):
         return f"mask shape {tuple(value.shape)} is not [..., {tq}, {tk}]"
     # broadcast (stride-0) batch / head dims hold one copy of the data: check that copy only

@@ -10,7 +10,8 @@ import logging
 
 import torch.fx as fx
 
-from .attention import causal_attention
+from .attention import causal_attention, causal_outputs
+from .attention_tags import causal_variant, dispatch, tag_outputs
 from .dump import dump_report
 from .normalize import to_aten
 from .options import Options
@@ -50,7 +51,14 @@ def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.Gra
             _set_loss_head(aten_gm, opts.loss_head_algorithm())
         if opts.causal_attention:
             done, left = causal_attention(aten_gm)
+            variant = causal_variant(aten_gm)
+            if variant is not None:  # calls on a mask input: causal when the input is a tagged mask
+                tagged = {s.nodes[-1] for s in variant[2]}  # the SDPA calls as named in aten_gm
+                left = [s for s in left if s.nodes[0] not in tagged] + variant[2]
             report.attention = done + left
+            # popped by fxfuse_backend before the inner compile (a GraphModule's __dict__ is pickled
+            # into compile-cache keys)
+            aten_gm._fxfuse_causal = (variant, causal_outputs(aten_gm))
     except Exception as e:
         if _dynamo_control_flow(e):
             raise
@@ -77,8 +85,13 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
     log.info("%s", report)
     if aten_gm is gm:  # transform left the graph unfused
         return inner_compile(gm, example_inputs, opts, mode)
+    variant, causal_outs = aten_gm.__dict__.pop("_fxfuse_causal", (None, []))
     try:
         compiled = inner_compile(aten_gm, example_inputs, opts, mode)
+        if variant is not None:
+            causal = inner_compile(variant[0], example_inputs, opts, mode)
+            compiled = dispatch(causal, compiled, variant[1], f"graph {len(_REPORTS) - 1}")
+        compiled = tag_outputs(compiled, causal_outs)
     except Exception as e:  # fail safe: never fail the user's compile because of the rewrite
         if _dynamo_control_flow(e):
             raise

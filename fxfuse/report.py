@@ -84,11 +84,15 @@ class Report:
             lines.append(_table("matched", self.matched, ("pattern", "variant", "module", "source", "saved")))
         if self.unmatched:
             lines.append(_table("unmatched", self.unmatched, ("pattern", "module", "source", "reason")))
-        causal = [s for s in self.attention if not s.reason]
+        causal = [s for s in self.attention if not s.reason and not s.variant.endswith("_checked")]
         if causal:
             gqa = sum(s.variant == "sdpa_causal_gqa" for s in causal)
             lines.append(f"attention: {len(causal)} SDPA call(s) given is_causal=True instead of a "
                          f"constant causal mask ({gqa} without repeat_kv, enable_gqa=True)")
+        checked = [s for s in self.attention if not s.reason and s.variant.endswith("_checked")]
+        if checked:
+            lines.append(f"attention: {len(checked)} SDPA call(s) on a mask input: is_causal=True when the "
+                         "mask is causal at run time (compared once per mask tensor), else run with the mask")
         left = [s for s in self.attention if s.reason]
         if left:
             lines.append(_table("attention masks kept", left, ("module", "source", "reason")))
