@@ -49,7 +49,11 @@ def markdown(audit: dict) -> str:
         lines += ["", f"fxfuse fused {fx['report']['counts']}, {len(fx['report']['unmatched'])} unmatched; "
                       "activations no longer written per step: "
                   + ", ".join(f"{p} {agg['bytes_per_step'] / 2**30:.2f} GiB ({agg['sites']} sites)"
-                              for p, agg in fx["removed"].items())]
+                              for p, agg in fx["removed"].items())
+                  + "; fused outputs recomputed in backward instead of kept: "
+                  + (", ".join(f"{p} {agg['recomputed_bytes_per_step'] / 2**30:.2f} GiB"
+                               for p, agg in fx["removed"].items() if agg.get("recomputed_bytes_per_step"))
+                     or "none")]
     return "\n".join(lines)
 
 

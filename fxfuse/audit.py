@@ -217,6 +217,9 @@ def render(audit: dict) -> str:
                      f"{len(r['report']['unmatched'])} unmatched; tensors no longer written, per pattern:")
         for pattern, agg in r["removed"].items():
             lines.append(f"  {pattern:21} {agg['sites']:3d} sites  {agg['bytes_per_step'] / MIB:10.2f} MiB/step")
+            if agg.get("recomputed_bytes_per_step"):
+                lines.append(f"      + fused outputs recomputed in backward, not kept: "
+                             f"{agg['recomputed_bytes_per_step'] / MIB:.2f} MiB/step")
             for t in agg["tensors"][:3]:
                 size = "?" if t["bytes"] is None else f"{t['bytes'] / MIB:.2f} MiB"
                 lines.append(f"      {t['tensor']}:{t['dtype']}{t['shape']}  {size}  ({t['module'] or 'top level'})")

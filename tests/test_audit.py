@@ -62,10 +62,13 @@ def test_audit_command_eager_vs_fxfuse(tmp_path):
     rms = removed["rms_norm"]
     assert rms["sites"] == n_norms and rms["tensors"][0]["bytes"] >= rms["tensors"][-1]["bytes"] > 0
     assert rms["tensors"][0]["shape"][:2] == [BATCH, SEQ]
+    # option recompute (default): every fused norm's fp32 [BATCH, SEQ, hidden] output is not kept
+    assert rms["recomputed_bytes_per_step"] == n_norms * BATCH * SEQ * model.config.hidden_size * 4
 
     table = proc.stdout
     assert audit["table"] in table and "peak RSS" in table
     assert "tensors no longer written" in table and "rms_norm" in table
+    assert "recomputed in backward, not kept" in table
     assert (out / "audit.png").read_bytes()[:4] == b"\x89PNG"
     assert "fxfuse [" in proc.stderr and f"{STEPS}/{STEPS}" in proc.stderr  # progress bar
 
