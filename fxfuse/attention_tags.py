@@ -17,6 +17,7 @@ it at compile time) and every decoder layer's graph receives it as an input. The
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -26,7 +27,11 @@ from .attention import causal_attention, mask_inputs
 
 TAG = "_fxfuse_causal"
 log = logging.getLogger("fxfuse")
-_CAUSAL: dict = {}  # (Tq, Tk, device) -> SDPA's causal mask, bool [Tq, Tk]
+
+
+@functools.lru_cache(maxsize=8)  # a few lengths in flight; each is a [Tq, Tk] bool tensor on the device
+def _causal(tq: int, tk: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(tq, tk, dtype=torch.bool, device=device).tril()
 
 
 def tag_outputs(compiled, tags: list[tuple[int, tuple[int, int]]]):
@@ -49,10 +54,7 @@ def is_causal_mask(mask: torch.Tensor, size: tuple[int, int]) -> bool:
     tag = getattr(mask, TAG, None)
     if tag is not None and tag[0] == size and tag[1] == mask._version:
         return tag[2]
-    key = (*size, mask.device)
-    if key not in _CAUSAL:
-        _CAUSAL[key] = torch.ones(size, dtype=torch.bool, device=mask.device).tril()
-    causal = _CAUSAL[key]
+    causal = _causal(*size, mask.device)
     with torch.no_grad():
         if mask.dtype == torch.bool:
             ok = (mask == causal).all()
@@ -75,9 +77,8 @@ def causal_variant(gm: fx.GraphModule):
     graph.output(graph.graph_copy(gm.graph, mapping))  # node meta is copied (shallow)
     copy = fx.GraphModule(gm, graph)
     copy.meta.update(gm.meta)
-    for attr in ("_param_name_to_source",):
-        if hasattr(gm, attr):
-            setattr(copy, attr, getattr(gm, attr))
+    if hasattr(gm, "_param_name_to_source"):  # Dynamo's sources of lifted constants (to_aten)
+        copy._param_name_to_source = gm._param_name_to_source
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for old in placeholders:
         if hasattr(old, "_dynamo_source"):  # read by AOTAutograd for static inputs

@@ -89,8 +89,7 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
     try:
         compiled = inner_compile(aten_gm, example_inputs, opts, mode)
         if variant is not None:
-            causal = inner_compile(variant[0], example_inputs, opts, mode)
-            compiled = dispatch(causal, compiled, variant[1], f"graph {len(_REPORTS) - 1}")
+            compiled = _with_causal_variant(compiled, variant, example_inputs, opts, mode, report)
         compiled = tag_outputs(compiled, causal_outs)
     except Exception as e:  # fail safe: never fail the user's compile because of the rewrite
         if _dynamo_control_flow(e):
@@ -100,6 +99,21 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
         report.errors.append(f"rewritten graph failed in the inner compiler, compiled unfused: {type(e).__name__}: {e}")
         return inner_compile(gm, example_inputs, opts, mode)
     return wrap_outputs(compiled, report.skipped_outputs)
+
+
+def _with_causal_variant(compiled, variant, example_inputs, opts: Options, mode, report: Report):
+    """compiled, dispatching to the graph's is_causal variant when its mask inputs are causal; if
+    the variant fails to compile, compiled alone (the report says why)."""
+    try:
+        causal = inner_compile(variant[0], example_inputs, opts, mode)
+    except Exception as e:
+        if _dynamo_control_flow(e):
+            raise
+        log.warning("fxfuse: the is_causal variant failed to compile (%s: %s); masks kept", type(e).__name__, e)
+        for s in variant[2]:
+            s.reason = f"is_causal variant failed to compile: {type(e).__name__}: {e}"
+        return compiled
+    return dispatch(causal, compiled, variant[1], f"graph {len(_REPORTS) - 1}")
 
 
 def inner_compile(gm: fx.GraphModule, example_inputs, opts: Options, mode: str | None):
