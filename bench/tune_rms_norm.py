@@ -23,8 +23,9 @@ from common import bench_ms, copy_ceiling_gbps, graphed  # noqa: E402
 
 FWD_WARPS = (2, 4, 8, 16)
 BWD_WARPS = (4, 8, 16, 32)
-BWD_STAGES = (1, 2, 3, 4)
-BWD_PROGRAMS_PER_SM = (1, 2, 4)
+BWD_STAGES = (2, 3, 4)
+BWD_PROGRAMS_PER_SM = (1, 2)
+ROWS_PER_TILE = (1, 2, 4)  # BLOCK_M multiples of the default: more bytes in flight per program
 
 
 def fwd_bytes(m: int, d: int, elem: int) -> int:
@@ -44,10 +45,17 @@ def sweep(m: int, d: int, dtype: torch.dtype, ceiling: float, top: int) -> None:
     y, dx = torch.empty_like(x), torch.empty_like(x)
     dw = torch.empty(d, device="cuda", dtype=dtype)
     block_n = k._block_n(d)
-    block_m = k._block_m(block_n, m)
     sms = k._num_sms(x.device)
     elem = x.element_size()
+    base_m = k._block_m(block_n, m)
+    rows = []
+    for rows_per_tile in ROWS_PER_TILE:
+        block_m = base_m * rows_per_tile
+        rows += _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem)
+    _print(k, m, d, dtype, ceiling, top, rows, x.device, elem, block_n)
 
+
+def _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem) -> list:
     rows = []
     for warps in FWD_WARPS:
         def fwd(warps=warps):
@@ -59,7 +67,7 @@ def sweep(m: int, d: int, dtype: torch.dtype, ceiling: float, top: int) -> None:
         except Exception as exc:  # a config that does not compile (registers) is reported, not fatal
             print(f"fwd warps={warps}: {type(exc).__name__}: {str(exc)[:100]}")
             continue
-        rows.append(("fwd", f"warps={warps}", ms, fwd_bytes(m, d, elem) / ms / 1e6))
+        rows.append(("fwd", f"BLOCK_M={block_m} warps={warps}", ms, fwd_bytes(m, d, elem) / ms / 1e6))
     for warps, stages, per_sm in itertools.product(BWD_WARPS, BWD_STAGES, BWD_PROGRAMS_PER_SM):
         grid = max(1, min(triton.cdiv(m, block_m), sms * per_sm))
         partial = torch.empty(grid, d, device="cuda", dtype=torch.float32)
@@ -75,18 +83,32 @@ def sweep(m: int, d: int, dtype: torch.dtype, ceiling: float, top: int) -> None:
         except Exception as exc:
             print(f"bwd warps={warps} stages={stages} per_sm={per_sm}: {type(exc).__name__}: {str(exc)[:100]}")
             continue
-        rows.append(("bwd", f"warps={warps} stages={stages} per_sm={per_sm} grid={grid}", ms,
+        rows.append(("bwd", f"BLOCK_M={block_m} warps={warps} stages={stages} per_sm={per_sm} grid={grid}", ms,
                      bwd_bytes(m, d, elem) / ms / 1e6))
-    print(f"\n### {m}x{d} {dtype}, BLOCK_M={block_m} BLOCK_N={block_n}, ceiling {ceiling:.0f} GB/s")
+    return rows
+
+
+def _print(k, m, d, dtype, ceiling, top, rows, device, elem, block_n) -> None:
+    same = _copy_gbps(fwd_bytes(m, d, elem) // 2)
+    print(f"\n### {m}x{d} {dtype}, BLOCK_N={block_n}, ceiling {ceiling:.0f} GB/s "
+          f"(a copy of one [{m}, {d}] tensor: {same:.0f} GB/s, {100 * same / ceiling:.1f}%)")
     for kind in ("fwd", "bwd"):
         ranked = sorted((r for r in rows if r[0] == kind), key=lambda r: r[2])
-        cur = _current(k, kind, m, d, x.device)
+        cur = _current(k, kind, m, d, device)
         for r in ranked[:top]:
             print(f"{kind} {r[1]:42s} {r[2] * 1e3:8.1f} us {r[3]:7.0f} GB/s {100 * r[3] / ceiling:5.1f}%")
         print(f"{kind} current: {cur}")
     best = {kind: min((r for r in rows if r[0] == kind), key=lambda r: r[2]) for kind in ("fwd", "bwd")}
     total = (fwd_bytes(m, d, elem) + bwd_bytes(m, d, elem)) / (best["fwd"][2] + best["bwd"][2]) / 1e6
     print(f"best fwd+bwd: {best['fwd'][2] * 1e3 + best['bwd'][2] * 1e3:.1f} us, {100 * total / ceiling:.1f}% of ceiling")
+
+
+def _copy_gbps(nbytes: int) -> float:
+    """Copy bandwidth (read + write) at this op's size: how much of the 2 GiB ceiling a transfer this
+    small can reach at all (launch and tail effects)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / bench_ms(graphed(lambda: dst.copy_(src))) / 1e6
 
 
 def _current(k, kind: str, m: int, d: int, device) -> str:
