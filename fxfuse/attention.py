@@ -18,6 +18,8 @@ reshape, the same factor on both) is undone and ``enable_gqa=True`` set instead.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -34,13 +36,12 @@ _VIEWS = frozenset((aten.expand.default, aten.unsqueeze.default, aten.slice.Tens
                     aten.alias.default))
 
 
-def causal_attention(gm: fx.GraphModule, assume: dict | None = None) -> tuple[list[Site], list[Site]]:
+def causal_attention(gm: fx.GraphModule, assume: set | None = None) -> tuple[list[Site], list[Site]]:
     """Rewrite every SDPA call of gm whose mask is provably causal; (rewritten, left) sites.
-    assume: {placeholder: (Tq, Tk)} graph inputs taken as causal masks of that size (the caller
-    checks the input's value before running this graph: fxfuse/attention_tags.py); their sites
-    get the variant suffix "_checked"."""
+    assume: mask nodes taken as causal (the caller compares their values with the causal mask
+    before running this graph: fxfuse/attention_tags.py); their sites get the suffix "_checked"."""
     done, left = [], []
-    assume = assume or {}
+    assume = assume or set()
     verdicts = {}  # (mask, q shape, k shape) -> reason: every layer's call shares one mask, evaluated once
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == _SDPA]:
         args = _sdpa_args(node)
@@ -49,8 +50,8 @@ def causal_attention(gm: fx.GraphModule, assume: dict | None = None) -> tuple[li
         key = (args["attn_mask"], *(_shape_key(args[a]) for a in ("query", "key")))
         if key not in verdicts:
             if args["attn_mask"] in assume:
-                ok = _input_mask_size(args["attn_mask"], args["query"], args["key"]) == assume[args["attn_mask"]]
-                verdicts[key] = "" if ok else "tagged mask input does not fit this call's q / k lengths"
+                ok = _lengths_match(args["attn_mask"], args["query"], args["key"])
+                verdicts[key] = "" if ok else "checked mask does not end in this call's [q length, k length]"
             else:
                 verdicts[key] = _why_not_causal(args["attn_mask"], args["query"], args["key"])
         reason = verdicts[key]
@@ -103,28 +104,63 @@ def causal_outputs(gm: fx.GraphModule) -> list[tuple[int, tuple[int, int]]]:
     return found
 
 
-def mask_inputs(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, int]]:
-    """{placeholder: (Tq, Tk)} of graph inputs used directly as the mask of SDPA calls that could be
-    causal: 4-D q / k of static lengths, a bool or float mask input ending in [Tq, Tk]."""
-    found: dict[fx.Node, tuple[int, int]] = {}
+def checkable_masks(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
+    """{mask: the nodes computing it, in graph order} of SDPA masks (left after causal_attention)
+    not judged at compile time whose value can be compared with the causal mask before the graph
+    runs: a graph input, or
+    computed from graph inputs that need no gradient by deterministic, non-mutating ops (a mask
+    built from position ids, a padding mask, any mask under dynamic shapes). The mask must end in
+    [q length, k length] (the same sizes, symbolic or not), so that "equal to the causal mask"
+    means what is_causal=True does."""
+    found: dict[fx.Node, list[fx.Node]] = {}
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == _SDPA]:
         args = _sdpa_args(node)
         mask = args["attn_mask"]
-        if isinstance(mask, fx.Node) and mask.op == "placeholder":
-            size = _input_mask_size(mask, args["query"], args["key"])
-            if size is not None and found.setdefault(mask, size) != size:
-                found[mask] = None  # one input used at two sizes: leave it alone
-    return {m: s for m, s in found.items() if s is not None}
+        if not isinstance(mask, fx.Node) or mask in found or not _lengths_match(mask, args["query"], args["key"]):
+            continue
+        if mask.meta.get("fxfuse_constant_mask"):  # a constant judged at compile time (window, bias)
+            continue
+        cone = [] if mask.op == "placeholder" else _runtime_cone(mask)
+        if cone is not None:
+            found[mask] = cone
+    return found
 
 
-def _input_mask_size(mask: fx.Node, q: fx.Node, k: fx.Node) -> tuple[int, int] | None:
+def _lengths_match(mask: fx.Node, q: fx.Node, k: fx.Node) -> bool:
     qv, kv, mv = _val(q), _val(k), _val(mask)
-    if qv is None or kv is None or mv is None or qv.dim() != 4 or not (_static(qv) and _static(kv)):
-        return None
-    if not (mv.dtype == torch.bool or mv.is_floating_point()) or not _static(mv) or mv.dim() < 2:
-        return None
-    size = (qv.shape[-2], kv.shape[-2])
-    return size if tuple(mv.shape[-2:]) == size else None
+    if qv is None or kv is None or mv is None or qv.dim() != 4 or kv.dim() != 4 or mv.dim() < 2:
+        return False
+    if not (mv.dtype == torch.bool or mv.is_floating_point()):
+        return False
+    return str(mv.shape[-2]) == str(qv.shape[-2]) and str(mv.shape[-1]) == str(kv.shape[-2])
+
+
+def _runtime_cone(mask: fx.Node) -> list[fx.Node] | None:
+    """The call_function / get_attr nodes mask is computed from, in graph order, if the only inputs
+    they read are graph inputs that need no gradient and every op is deterministic and functional;
+    else None."""
+    seen, stack = {}, [mask]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        if n.op == "placeholder":
+            if n.meta.get("fxfuse_requires_grad", True) and isinstance(_val(n), torch.Tensor):
+                return None
+            continue
+        seen[n] = True
+        if n.op == "get_attr":
+            continue
+        if n.op != "call_function":
+            return None
+        if isinstance(n.target, torch._ops.OpOverload):
+            if torch.Tag.nondeterministic_seeded in n.target.tags or n.target._schema.is_mutable:
+                return None
+        elif getattr(n.target, "__module__", None) != operator.__name__:  # size arithmetic, getitem
+            return None
+        stack += n.all_input_nodes
+    order = {n: i for i, n in enumerate(mask.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
 
 
 def _shape_key(x) -> str | None:
@@ -172,6 +208,7 @@ def _mask_verdict(mask: fx.Node, tq: int, tk: int) -> str:
     value = _evaluate(cone, mask)
     if isinstance(value, str):
         return value
+    mask.meta["fxfuse_constant_mask"] = True  # judged by value here: a run-time check would add nothing
     if value.dim() > 4 or value.shape[-2:] != (tq, tk):
         return f"mask shape {tuple(value.shape)} is not [..., {tq}, {tk}]"
     # broadcast (stride-0) batch / head dims hold one copy of the data: check that copy only
@@ -234,6 +271,11 @@ def _evaluate(cone: list[fx.Node], mask: fx.Node) -> torch.Tensor | str:
     return env[mask]
 
 
+def _same(shape, expected) -> bool:
+    """Sizes equal one by one, symbolic sizes compared as expressions (no guard is added)."""
+    return len(shape) == len(expected) and all(str(a) == str(b) for a, b in zip(shape, expected))
+
+
 def _unrepeat(q: fx.Node, k: fx.Node, v: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """(k0, v0) if k and v are repeat_kv(k0, r), repeat_kv(v0, r) with r * heads(k0) = heads(q)."""
     k0, rk = _repeat_source(k)
@@ -258,10 +300,12 @@ def _repeat_source(node: fx.Node) -> tuple[fx.Node | None, int]:
         return None, 0
     src = uns.args[0]
     sv, ev, ov = _val(src), _val(exp), _val(node)
-    if sv is None or ev is None or ov is None or sv.dim() != 4 or not (_static(sv) and _static(ev)):
+    if sv is None or ev is None or ov is None or sv.dim() != 4 or ev.dim() != 5:
         return None, 0
     b, h, t, d = sv.shape
     r = ev.shape[2]
-    if tuple(ev.shape) != (b, h, r, t, d) or tuple(ov.shape) != (b, h * r, t, d):
+    if not (isinstance(h, int) and isinstance(r, int)):
+        return None, 0
+    if not (_same(ev.shape, (b, h, r, t, d)) and _same(ov.shape, (b, h * r, t, d))):
         return None, 0
     return src, r

@@ -1,19 +1,17 @@
-"""Causal masks across graphs: a mask input checked once by value, then trusted by every layer.
+"""Causal masks checked at run time: masks fxfuse/attention.py cannot evaluate at compile time.
 
-When a model is split into several graphs (a graph break, FSDP2's per-layer hooks), HF builds the
-causal mask in one graph (from position ids it receives, so fxfuse/attention.py cannot evaluate
-it at compile time) and every decoder layer's graph receives it as an input. Then:
-
-- a graph that uses a mask input in SDPA is compiled twice: as traced, and with those calls made
-  causal (attention.causal_attention with ``assume``);
-- at each call, the mask tensor's verdict is looked up in the attribute ``_fxfuse_causal =
-  ((Tq, Tk), version, is_causal)`` on the tensor object; when missing or stale (the tensor's
-  version counter moved: written in place), the mask is compared with SDPA's causal mask on its
-  device, one host sync, and the verdict stored on the tensor. The causal variant runs only on a
-  yes; anything else (a padding mask, a user's own mask) runs the graph as traced. HF hands the
-  same mask object to every layer, so a step pays one check, in the first layer;
-- a graph whose output is a mask proven causal at compile time (attention.causal_outputs) stores
-  the yes on it directly.
+A mask that depends on graph inputs (position ids, an all-ones attention_mask, a mask built in an
+earlier graph: graph breaks, FSDP2's per-layer graphs) or on symbolic sizes (dynamic shapes) may
+still be the causal mask at run time. Such a graph (attention.checkable_masks) is compiled twice:
+as traced, and with those SDPA calls made causal (attention.causal_attention with ``assume``).
+At each call the masks are computed from the call's inputs by the ops that make them (the same
+ops the traced graph runs; no gradient involved) and compared with SDPA's causal mask on their
+device, one host sync; the causal variant runs only if every one is causal, else the graph as
+traced (a padding mask, a user's own mask). The verdict is stored on the mask tensor
+(``_fxfuse_causal = ((Tq, Tk), version, is_causal)``) and reused while its version counter stays:
+HF hands one mask object to every layer's graph, so a split model pays one comparison per step.
+A graph whose output is a mask proven causal at compile time (attention.causal_outputs) stores
+the yes on it directly.
 """
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ import logging
 import torch
 import torch.fx as fx
 
-from .attention import causal_attention, mask_inputs
+from .attention import causal_attention, checkable_masks
 
 TAG = "_fxfuse_causal"
 log = logging.getLogger("fxfuse")
@@ -67,9 +65,9 @@ def is_causal_mask(mask: torch.Tensor, size: tuple[int, int]) -> bool:
 
 
 def causal_variant(gm: fx.GraphModule):
-    """(copy of gm with its SDPA calls on mask inputs made causal, [(input position, (Tq, Tk))], sites)
-    or None when gm has no such call (or none could be rewritten)."""
-    wanted = mask_inputs(gm)
+    """(copy of gm with its SDPA calls on checkable masks made causal, masks(*args) -> the masks to
+    compare, sites) or None when gm has no such call (or none could be rewritten)."""
+    wanted = checkable_masks(gm)
     if not wanted:
         return None
     graph = fx.Graph()
@@ -79,24 +77,37 @@ def causal_variant(gm: fx.GraphModule):
     copy.meta.update(gm.meta)
     if hasattr(gm, "_param_name_to_source"):  # Dynamo's sources of lifted constants (to_aten)
         copy._param_name_to_source = gm._param_name_to_source
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for old in placeholders:
-        if hasattr(old, "_dynamo_source"):  # read by AOTAutograd for static inputs
+    for old in gm.graph.nodes:
+        if old.op == "placeholder" and hasattr(old, "_dynamo_source"):  # read by AOTAutograd
             mapping[old]._dynamo_source = old._dynamo_source
-    done, _ = causal_attention(copy, assume={mapping[p]: size for p, size in wanted.items()})
+    done, _ = causal_attention(copy, assume={mapping[m] for m in wanted})
     used = {n for s in done for n in s.nodes}
-    checks = [(placeholders.index(p), size) for p, size in wanted.items() if mapping[p].name in used]
-    if not checks:
+    masks = [m for m in wanted if mapping[m].name in used]
+    if not masks:
         return None
-    return copy, checks, done
+    return copy, _mask_program(gm, {m: wanted[m] for m in masks}), done
 
 
-def dispatch(causal, traced, checks: list[tuple[int, tuple[int, int]]], graph_name: str):
-    """Run causal(*args) when every checked input is a causal mask of its size, else traced(*args)."""
+def _mask_program(gm: fx.GraphModule, masks: dict) -> fx.GraphModule:
+    """A GraphModule taking gm's inputs and returning the masks, from the nodes that compute them."""
+    needed = {n for cone in masks.values() for n in cone} | set(masks)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or n in needed:
+            env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(tuple(env[m] for m in masks))
+    return fx.GraphModule(gm, graph)
+
+
+def dispatch(causal, traced, masks, graph_name: str):
+    """Run causal(*args) when every mask masks(*args) computes is the causal mask, else traced(*args)."""
     warned = []
 
     def run(*args):
-        if all(is_causal_mask(args[i], size) for i, size in checks):
+        with torch.no_grad():
+            values = masks(*args)
+        if all(is_causal_mask(m, tuple(m.shape[-2:])) for m in values):
             return causal(*args)
         if not warned:
             warned.append(True)

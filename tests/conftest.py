@@ -24,3 +24,27 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    """Which variant each call of a graph compiled with a run-time checked causal variant ran
+    (fxfuse/attention_tags.py): "causal" or "traced", in call order."""
+    from fxfuse import backend
+
+    taken = []
+    real = backend.dispatch
+
+    def spy(causal, traced, masks, name):
+        def c(*a):
+            taken.append("causal")
+            return causal(*a)
+
+        def t(*a):
+            taken.append("traced")
+            return traced(*a)
+
+        return real(c, t, masks, name)
+
+    monkeypatch.setattr(backend, "dispatch", spy)
+    return taken

@@ -29,27 +29,6 @@ def split_llama(monkeypatch):
     return hf_model("llama", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
 
 
-@pytest.fixture
-def paths(monkeypatch):
-    """Which compiled variant each call of a dispatched graph ran."""
-    taken = []
-    real = backend.dispatch
-
-    def spy(causal, traced, checks, name):
-        def c(*a):
-            taken.append("causal")
-            return causal(*a)
-
-        def t(*a):
-            taken.append("traced")
-            return traced(*a)
-
-        return real(c, t, checks, name)
-
-    monkeypatch.setattr(backend, "dispatch", spy)
-    return taken
-
-
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_split_model_runs_the_causal_variant_with_parity(split_llama, paths, inner):
     loss_err, grad_err, report, _ = compiled_parity(split_llama, batch(), inner=inner)
