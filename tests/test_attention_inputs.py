@@ -113,3 +113,15 @@ def test_variant_that_fails_to_compile_keeps_the_mask(split_llama, paths, monkey
     assert checked and all("no variant today" in s.reason for s in checked), str(report)
     assert paths == [] and report.counts()["rms_norm"] > 0
     assert loss_err < FP32_TOL and grad_err < FP32_TOL
+
+
+def test_failing_mask_check_runs_the_traced_graph():
+    """Fail safe at run time: if the mask program raises, the traced graph runs."""
+    ran = []
+
+    def broken_masks(*args):
+        raise RuntimeError("mask program broke")
+
+    run = tags.dispatch(lambda *a: ran.append("causal"), lambda *a: ran.append("traced"), broken_masks, "g")
+    run(torch.zeros(1))
+    assert ran == ["traced"]
