@@ -55,3 +55,5 @@ def test_fsdp2_benchmark_script_runs_on_cpu():
     assert res.returncode == 0, out[-4000:]
     assert re.search(r"^fxfuse, [\d.]+ ms/step, 0\.00 GiB/GPU, loss \d+\.\d+$", res.stdout, re.M), out[-4000:]
     assert "rms_norm 3, rope 1, swiglu 1, linear_cross_entropy 1" in res.stdout, out[-4000:]
+    # FSDP2 hands each layer's graph the mask as an input: compiled with a run-time checked causal variant
+    assert "1 SDPA call(s) on a mask input" in res.stdout, out[-4000:]
