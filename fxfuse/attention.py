@@ -107,9 +107,9 @@ def causal_outputs(gm: fx.GraphModule) -> list[tuple[int, tuple[int, int]]]:
 def checkable_masks(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
     """{mask: the nodes computing it, in graph order} of SDPA masks (left after causal_attention)
     not judged at compile time whose value can be compared with the causal mask before the graph
-    runs: a graph input, or
-    computed from graph inputs that need no gradient by deterministic, non-mutating ops (a mask
-    built from position ids, a padding mask, any mask under dynamic shapes). The mask must end in
+    runs: a graph input that needs no gradient, or a mask computed from such inputs by
+    deterministic, non-mutating ops (from position ids, a padding mask, any mask under dynamic
+    shapes). A mask that needs a gradient (a learned bias) is never dropped. The mask must end in
     [q length, k length] (the same sizes, symbolic or not), so that "equal to the causal mask"
     means what is_causal=True does."""
     found: dict[fx.Node, list[fx.Node]] = {}
@@ -120,7 +120,7 @@ def checkable_masks(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
             continue
         if mask.meta.get("fxfuse_constant_mask"):  # a constant judged at compile time (window, bias)
             continue
-        cone = [] if mask.op == "placeholder" else _runtime_cone(mask)
+        cone = _runtime_cone(mask)
         if cone is not None:
             found[mask] = cone
     return found
@@ -136,9 +136,9 @@ def _lengths_match(mask: fx.Node, q: fx.Node, k: fx.Node) -> bool:
 
 
 def _runtime_cone(mask: fx.Node) -> list[fx.Node] | None:
-    """The call_function / get_attr nodes mask is computed from, in graph order, if the only inputs
-    they read are graph inputs that need no gradient and every op is deterministic and functional;
-    else None."""
+    """The call_function / get_attr nodes mask is computed from, in graph order ([] for a graph
+    input), if the only inputs they read are graph inputs that need no gradient and every op is
+    deterministic and functional; else None."""
     seen, stack = {}, [mask]
     while stack:
         n = stack.pop()
@@ -147,6 +147,8 @@ def _runtime_cone(mask: fx.Node) -> list[fx.Node] | None:
         if n.op == "placeholder":
             if n.meta.get("fxfuse_requires_grad", True) and isinstance(_val(n), torch.Tensor):
                 return None
+            if n is mask:
+                return []
             continue
         seen[n] = True
         if n.op == "get_attr":

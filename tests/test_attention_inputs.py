@@ -125,3 +125,21 @@ def test_failing_mask_check_runs_the_traced_graph():
     run = tags.dispatch(lambda *a: ran.append("causal"), lambda *a: ran.append("traced"), broken_masks, "g")
     run(torch.zeros(1))
     assert ran == ["traced"]
+
+
+class BiasNet(nn.Module):
+    """A learned additive bias passed as SDPA's mask input, across a graph break."""
+
+    def forward(self, x, bias):
+        torch._dynamo.graph_break()
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=bias).sum()
+
+
+def test_mask_input_that_needs_a_gradient_is_never_dropped(paths):
+    t = 5
+    causal_valued = torch.zeros(t, t).masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+    bias = causal_valued.clone().requires_grad_()  # equal to the causal mask, but learned
+    x = torch.randn(1, 2, t, 4)
+    out = torch.compile(BiasNet(), backend="fxfuse", options={"inner": "aot_eager"})(x, bias)
+    out.backward()
+    assert paths == [] and bias.grad is not None
