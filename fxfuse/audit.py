@@ -42,7 +42,7 @@ import time
 
 from .audit_memory import render as render_peak
 from .audit_plot import plot_png
-from .audit_worker import MODES, PRESETS, search_largest
+from .audit_worker import MODES, PRESETS, fxfuse_options, search_largest
 
 MIB = 2**20
 
@@ -79,13 +79,6 @@ def _base_spec(args) -> dict:
                 tokens=args.tokens, profile_steps=args.profile_steps, fxfuse_inner=args.fxfuse_inner,
                 fxfuse_logits=args.fxfuse_logits, fxfuse_options=args.fxfuse_options,
                 memory_peak=args.memory_peak, mem_limit_gib=args.mem_limit_gib, fit_shapes=args.fit_shapes)
-
-
-def fxfuse_options(a: dict) -> dict:
-    """The options the fxfuse mode compiles with (from audit args as a dict): --fxfuse-inner,
-    --fxfuse-logits, then every --fxfuse-option on top."""
-    return {"inner": a.get("fxfuse_inner", "inductor"), "logits": a.get("fxfuse_logits", "skip"),
-            **(a.get("fxfuse_options") or {})}
 
 
 def options_text(a: dict) -> str:

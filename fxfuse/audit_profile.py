@@ -159,7 +159,7 @@ def removed_tensors(report, top: int = 8) -> dict:
         agg = out.setdefault(site.pattern, {"sites": 0, "bytes_per_step": 0, "unknown_size": 0, "tensors": [],
                                             "recomputed_bytes_per_step": 0})
         agg["sites"] += 1
-        agg["recomputed_bytes_per_step"] += sum(tensor_bytes(d)[3] or 0 for d in getattr(site, "recomputed", []))
+        agg["recomputed_bytes_per_step"] += sum(tensor_bytes(d)[3] or 0 for d in site.recomputed)
         for desc in site.saved_tensors:
             name, dtype, shape, nbytes = tensor_bytes(desc)
             agg["tensors"].append({"tensor": name, "dtype": dtype, "shape": shape, "bytes": nbytes,

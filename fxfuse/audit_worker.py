@@ -124,19 +124,23 @@ def _load_tokens(path: str) -> torch.Tensor:
     return t.reshape(-1).long()
 
 
-def prepare(mode: str, model, fxfuse_inner: str, fxfuse_logits: str = "skip", fxfuse_options: dict | None = None):
-    """The callable that runs ``model`` in ``mode``; liger patches the model in place (eager).
+def fxfuse_options(spec: dict) -> dict:
+    """The backend options the fxfuse mode compiles with, from a spec (or the audit's args as a dict):
+    --fxfuse-inner, --fxfuse-logits, then every --fxfuse-option on top. The training step reads only
+    the loss, so logits default to "skip", as Liger in training (its forward returns no logits then);
+    the backend checks the options when it first compiles (an unknown one raises, listing the valid ones)."""
+    return {"inner": spec.get("fxfuse_inner", "inductor"), "logits": spec.get("fxfuse_logits", "skip"),
+            **(spec.get("fxfuse_options") or {})}
 
-    The training step reads only the loss, so fxfuse skips the logits the model also returns by
-    default (``logits="skip"``), as Liger does in training (its forward returns no logits then).
-    ``fxfuse_options`` (audit's --fxfuse-option) go to the backend on top of inner and logits; the
-    backend checks them when it first compiles (an unknown one raises, listing the valid ones)."""
+
+def prepare(mode: str, model, options: dict):
+    """The callable that runs ``model`` in ``mode``; liger patches the model in place (eager);
+    fxfuse compiles with ``options`` (fxfuse_options)."""
     if mode == "eager":
         return model
     if mode == "inductor":
         return torch.compile(model)
     if mode == "fxfuse":
-        options = {"inner": fxfuse_inner, "logits": fxfuse_logits, **(fxfuse_options or {})}
         return torch.compile(model, backend="fxfuse", options=options)
     if mode == "liger":
         try:
@@ -183,8 +187,7 @@ def _setup(spec: dict):
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec["mem_limit_gib"] * 2**30 / total), index)
     model = build_model(spec["model"], spec.get("config", {}), spec.get("tiny", False), dtype, device, spec["seed"])
     model.train()
-    call = prepare(spec["mode"], model, spec.get("fxfuse_inner", "inductor"), spec.get("fxfuse_logits", "skip"),
-                   spec.get("fxfuse_options"))
+    call = prepare(spec["mode"], model, fxfuse_options(spec))
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
     data = Batches(model.config.vocab_size, spec["batch"], spec["seq"], spec["seed"], device, spec.get("tokens"))
     return model, call, opt, data

@@ -173,17 +173,17 @@ def rewrite(gm: fx.GraphModule, patterns: list[Pattern], skip_escapes: bool = Fa
                 report.unmatched.append(_site(pattern.name, first, variant,
                                               reason=f"lowering failed: {type(e).__name__}: {e}"))
                 continue
-            recomputed = []
-            if recompute and pattern.recompute:
-                _tag_recompute(set(gm.graph.nodes) - before)
-                recomputed = [tensor_desc(m.anchor, val(m.anchor)) for m in group if val(m.anchor) is not None]
             saved = [saved_bytes(m) for m in group]
             nbytes, names = sum(b for b, _ in saved), [t for _, ts in saved for t in ts]
-            note = f", output recomputed in backward ({sum(bytes_of(val(m.anchor)) for m in group) / 2**10:.1f} KiB)"
+            text, recomputed = f"{len(names)} tensors, {nbytes / 2**10:.1f} KiB/call", []
+            if recompute and pattern.recompute:
+                _tag_recompute(set(gm.graph.nodes) - before)
+                outs = [(m.anchor, val(m.anchor)) for m in group if val(m.anchor) is not None]
+                recomputed = [tensor_desc(n, v) for n, v in outs]
+                text += f", output recomputed in backward ({sum(bytes_of(v) for _, v in outs) / 2**10:.1f} KiB)"
             report.matched.append(_site(
-                pattern.name, first, variant,
-                saved=f"{len(names)} tensors, {nbytes / 2**10:.1f} KiB/call" + (note if recomputed else ""),
-                saved_tensors=names, recomputed=recomputed, nodes=sorted(n.name for m in group for n in m.region)))
+                pattern.name, first, variant, saved=text, saved_tensors=names, recomputed=recomputed,
+                nodes=sorted(n.name for m in group for n in m.region)))
             for m, new in zip(group, news):
                 for k in _CARRIED_META:
                     if k in m.anchor.meta:

@@ -26,8 +26,8 @@ N=8192, V=128256 bf16) and backward only scales them; "lean" (4 matmuls, below) 
 above dW + dx. The backend's option ``loss_head`` picks; its default "auto" takes "fast" under
 Inductor (its compiled backward scales the saved gradients in place) and "lean" (which meets the
 1.1x memory bound also in eager autograd) otherwise; "fast" trades R*V*element_size of memory for
-the fourth matmul. A forward that needs
-no gradient (eval, no_grad, nothing requiring grad) always runs the lean forward (one matmul).
+the fourth matmul. A forward that needs no gradient (eval, no_grad, nothing requiring grad) always
+runs the lean forward (one matmul).
 
 Lean design: chunk rows into passes of R tokens and the vocabulary into chunks of C columns. Forward
 computes each [R, C] logits chunk with one cuBLAS matmul (fp32 output, so no bf16 rounding of
