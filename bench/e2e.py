@@ -28,7 +28,9 @@ def markdown(audit: dict) -> str:
     cuda = a["device"].startswith("cuda")
     mem = "peak alloc GiB | peak reserved GiB" if cuda else "peak RSS GiB | -"
     lines = [f"### {a['model']}{' (tiny)' if a['tiny'] else ''}, batch {a['batch']} x {a['seq']}, {a['dtype']}, "
-             f"{a['steps']} steps (median after {a['warmup']}), {env['device']}, torch {env['torch']}"
+             f"{a['steps']} steps (median after {a['warmup']}), {env['device']}, torch {env['torch']}, "
+             f"{'tokens ' + a['tokens'] if a['tokens'] else a.get('synthetic', 'uniform') + ' synthetic tokens'}, "
+             f"AdamW lr {a['lr']}" + (f" warm-up {a['lr_warmup']} steps" if a.get("lr_warmup") else "")
              + (f", fxfuse options: {options_text(a)}" if "fxfuse" in audit["modes"] else ""),
              "",
              f"| mode | step ms | tokens/s | {mem} | max batch | target-op % | max abs loss diff vs eager | status |",

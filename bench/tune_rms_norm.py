@@ -2,6 +2,7 @@
 
     python bench/tune_rms_norm.py                          # 4096x8192 and 16384x4096, bf16
     python bench/tune_rms_norm.py --shapes 4096x8192 --top 5
+    python bench/tune_rms_norm.py --shapes 4096x8192 --bwd-warps 8 16 --bwd-stages 3 4   # a smaller grid
 
 Times the forward kernel and the backward (row kernel + dw reduction) separately for every
 (num_warps) and (num_warps, num_stages, programs per SM) in the grids below, and prints each
@@ -17,15 +18,45 @@ import sys
 
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench_ms, copy_ceiling_gbps, graphed  # noqa: E402
 
 FWD_WARPS = (2, 4, 8, 16)
+PERSISTENT_FWD_STAGES = (2, 3)  # the persistent forward below: rows prefetched per program
+PERSISTENT_FWD_PER_SM = (1, 2, 4)
 BWD_WARPS = (4, 8, 16, 32)
 BWD_STAGES = (2, 3, 4)
 BWD_PROGRAMS_PER_SM = (1, 2)
 ROWS_PER_TILE = (1, 2, 4)  # BLOCK_M multiples of the default: more bytes in flight per program
+
+
+@triton.jit
+def _fwd_persistent_kernel(
+    x_ptr,  # [M, D] bf16/fp16/fp32, row stride stride_x, col stride 1
+    w_ptr,  # [D] same dtype, contiguous
+    y_ptr,  # [M, D] same dtype, contiguous
+    M,
+    D,
+    stride_x,
+    eps,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Candidate design, not in kernels/ yet: a persistent grid walks the rows (one row per
+    iteration, stride = grid size), the loop software-pipelined so that the next rows' loads are in
+    flight while this row is reduced and stored (the shipped forward is one row per program).
+    Llama cast order, offset 0."""
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < D
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=NUM_STAGES):
+        row64 = tl.cast(row, tl.int64)
+        xf = tl.load(x_ptr + row64 * stride_x + cols, mask=col_mask, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+        xhat = (xf * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(y_ptr + row64 * D + cols, (xhat * w).to(y_ptr.dtype.element_ty), mask=col_mask)
 
 
 def fwd_bytes(m: int, d: int, elem: int) -> int:
@@ -36,7 +67,7 @@ def bwd_bytes(m: int, d: int, elem: int) -> int:
     return 3 * m * d * elem  # read x and dy, write dx (the [P, D] fp32 partials are ~1% more)
 
 
-def sweep(m: int, d: int, dtype: torch.dtype, ceiling: float, top: int) -> None:
+def sweep(m: int, d: int, dtype: torch.dtype, ceiling: float, top: int, grid: argparse.Namespace) -> None:
     from fxfuse.kernels import rms_norm as k
 
     x = torch.randn(m, d, device="cuda", dtype=dtype)
@@ -49,15 +80,34 @@ def sweep(m: int, d: int, dtype: torch.dtype, ceiling: float, top: int) -> None:
     elem = x.element_size()
     base_m = k._block_m(block_n, m)
     rows = []
-    for rows_per_tile in ROWS_PER_TILE:
+    rows += _sweep_persistent_fwd(m, d, x, w, y, block_n, sms, elem, grid)
+    for rows_per_tile in grid.rows_per_tile:
         block_m = base_m * rows_per_tile
-        rows += _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem)
+        rows += _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem, grid)
     _print(k, m, d, dtype, ceiling, top, rows, x.device, elem, block_n)
 
 
-def _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem) -> list:
+def _sweep_persistent_fwd(m, d, x, w, y, block_n, sms, elem, grid) -> list:
     rows = []
-    for warps in FWD_WARPS:
+    for warps, stages, per_sm in itertools.product(grid.fwd_warps, PERSISTENT_FWD_STAGES, PERSISTENT_FWD_PER_SM):
+        programs = min(m, sms * per_sm)
+
+        def fwd(warps=warps, stages=stages, programs=programs):
+            _fwd_persistent_kernel[(programs,)](x, w, y, m, d, x.stride(0), 1e-5, BLOCK_N=block_n,
+                                                NUM_STAGES=stages, num_warps=warps)
+        try:
+            ms = bench_ms(graphed(fwd))
+        except Exception as exc:  # shared memory or registers: reported, not fatal
+            print(f"persistent fwd warps={warps} stages={stages} per_sm={per_sm}: {type(exc).__name__}: {str(exc)[:100]}")
+            continue
+        rows.append(("fwd", f"persistent warps={warps} stages={stages} per_sm={per_sm}", ms,
+                     fwd_bytes(m, d, elem) / ms / 1e6))
+    return rows
+
+
+def _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem, grid) -> list:
+    rows = []
+    for warps in grid.fwd_warps:
         def fwd(warps=warps):
             k._rms_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
                 x, w, y, m, d, x.stride(0), 1e-5, 0.0, HAS_WEIGHT=True, CAST_BEFORE_WEIGHT=True,
@@ -68,7 +118,7 @@ def _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem) -> li
             print(f"fwd warps={warps}: {type(exc).__name__}: {str(exc)[:100]}")
             continue
         rows.append(("fwd", f"BLOCK_M={block_m} warps={warps}", ms, fwd_bytes(m, d, elem) / ms / 1e6))
-    for warps, stages, per_sm in itertools.product(BWD_WARPS, BWD_STAGES, BWD_PROGRAMS_PER_SM):
+    for warps, stages, per_sm in itertools.product(grid.bwd_warps, grid.bwd_stages, grid.per_sm):
         grid = max(1, min(triton.cdiv(m, block_m), sms * per_sm))
         partial = torch.empty(grid, d, device="cuda", dtype=torch.float32)
 
@@ -124,12 +174,17 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["4096x8192", "16384x4096"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--top", type=int, default=6)
+    p.add_argument("--fwd-warps", type=int, nargs="+", default=FWD_WARPS)
+    p.add_argument("--bwd-warps", type=int, nargs="+", default=BWD_WARPS)
+    p.add_argument("--bwd-stages", type=int, nargs="+", default=BWD_STAGES)
+    p.add_argument("--per-sm", type=int, nargs="+", default=BWD_PROGRAMS_PER_SM, help="backward programs per SM")
+    p.add_argument("--rows-per-tile", type=int, nargs="+", default=ROWS_PER_TILE)
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     ceiling = copy_ceiling_gbps()
     for shape in args.shapes:
         m, d = (int(s) for s in shape.lower().split("x"))
-        sweep(m, d, dtype, ceiling, args.top)
+        sweep(m, d, dtype, ceiling, args.top, args)
 
 
 if __name__ == "__main__":

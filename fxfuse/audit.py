@@ -15,13 +15,18 @@ state, compiled code or warm caches. The parent prints one table and writes ``au
   worker process per mode (job "fit_batch"): model, compiled code and AdamW are built once and the
   batch dimension of input_ids is dynamic, so a compiled mode compiles once, not once per probe; an OOM
   fails a probe and is cleaned up in-process, a killed worker is reported as died (with the probes
-  done so far). Dynamic-shape graphs can differ from the run's static ones (fxfuse's causal-attention
-  rewrite needs static shapes; the table says what fused in them): ``--fit-shapes static`` compiles
+  done so far). Dynamic-shape graphs can differ from the run's static ones (the table says what
+  fused in them): ``--fit-shapes static`` compiles
   once per probed batch instead, still in one process. The sequence search runs every
   probe in its own process (each recompiles);
 - the share of step time in the target ops (torch.profiler; attribution rule in audit_profile.py);
 - the loss curve of every mode and its largest divergence from eager's;
 - fxfuse's report and the saved activations it removed, per pattern, largest first.
+
+Data: synthetic tokens by default, ``--synthetic uniform`` (nothing to learn: near ln(vocab) the
+steps follow gradient noise, and bf16 rounding differences between modes grow into loss spikes at
+different steps) or ``--synthetic zipf`` (token frequencies ~ 1/rank, as in text: a loss that keeps
+falling); ``--tokens FILE`` for real data. ``--lr-warmup N``: linear warm-up over the first N steps.
 
 ``--fxfuse-option KEY=VALUE`` (repeatable) passes more backend options to the fxfuse mode, e.g.
 ``--fxfuse-option loss_head=fast``; the table's header and audit.json's args show them.
@@ -42,7 +47,7 @@ import time
 
 from .audit_memory import render as render_peak
 from .audit_plot import plot_png
-from .audit_worker import MODES, PRESETS, fxfuse_options, search_largest
+from .audit_worker import MODES, PRESETS, SYNTHETIC, fxfuse_options, search_largest
 
 MIB = 2**20
 
@@ -76,7 +81,7 @@ def run_worker(spec: dict, timeout: float | None = None) -> dict:
 def _base_spec(args) -> dict:
     return dict(model=args.model, config=args.config, tiny=args.tiny, dtype=args.dtype, device=args.device,
                 batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
-                tokens=args.tokens, profile_steps=args.profile_steps, fxfuse_inner=args.fxfuse_inner,
+                lr_warmup=args.lr_warmup, tokens=args.tokens, synthetic=args.synthetic, profile_steps=args.profile_steps, fxfuse_inner=args.fxfuse_inner,
                 fxfuse_logits=args.fxfuse_logits, fxfuse_options=args.fxfuse_options,
                 memory_peak=args.memory_peak, mem_limit_gib=args.mem_limit_gib, fit_shapes=args.fit_shapes)
 
@@ -152,9 +157,11 @@ def render(audit: dict) -> str:
     a, results, div, fit = audit["args"], audit["modes"], audit["divergence"], audit["fit"]
     cuda = a["device"].startswith("cuda")
     mem = "peak alloc / reserved MiB (CUDA allocator)" if cuda else "peak RSS MiB (process, CPU)"
+    warm = f" (linear warm-up over {a['lr_warmup']} steps)" if a.get("lr_warmup") else ""
+    data = "tokens " + a["tokens"] if a["tokens"] else f"synthetic tokens ({a.get('synthetic', 'uniform')})"
     lines = [f"fxfuse audit: {a['model']}{' (tiny)' if a['tiny'] else ''}, batch {a['batch']} x seq {a['seq']}, "
              f"{a['steps']} steps (median after {a['warmup']} warm-up), {a['dtype']} on {audit['env']['device']}, "
-             f"AdamW lr {a['lr']}, seed {a['seed']}, {'tokens ' + a['tokens'] if a['tokens'] else 'synthetic tokens'}, "
+             f"AdamW lr {a['lr']}{warm}, seed {a['seed']}, {data}, "
              f"fxfuse options: {options_text(a)}",
              f"memory: {mem}; target-op share: fraction of profiled step time in rms_norm/rope/swiglu/"
              f"linear_cross_entropy ops (rule: fxfuse/audit_profile.py)"]
@@ -285,7 +292,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr-warmup", type=int, default=0, metavar="STEPS",
+                   help="linear learning-rate warm-up over the first STEPS steps (default 0: constant lr)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--synthetic", default="uniform", choices=SYNTHETIC,
+                   help="synthetic tokens without --tokens: uniform (nothing to learn) or zipf (p ~ 1/rank)")
     p.add_argument("--tokens", default=None, help="token file (.npy, .pt, raw uint16 .bin); default synthetic")
     p.add_argument("--profile-steps", type=int, default=2, help="extra profiled steps (0: no profile)")
     p.add_argument("--fxfuse-inner", default="inductor", choices=["inductor", "aot_eager", "eager"])

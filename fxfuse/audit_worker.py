@@ -85,12 +85,20 @@ def build_model(spec: str, overrides: dict, tiny: bool, dtype: torch.dtype, devi
 class Batches:
     """Batch ``i`` as input_ids [batch, seq] (also the labels: HF shifts them), identical in every mode.
 
-    Synthetic: uniform tokens from a generator seeded by (seed, i). Token file (.npy, .pt, or a raw
-    uint16 .bin as nanoGPT writes): batch i is the next batch*seq tokens, wrapping around.
+    Synthetic, from a generator seeded by (seed, i): "uniform" tokens (nothing to learn: the loss can
+    only approach ln(vocab), and once there AdamW's steps follow gradient noise), or "zipf": token
+    ranks drawn with probability ~ 1 / rank, as word frequencies in text, over a seeded permutation of
+    the vocabulary, so the loss has somewhere to go for hundreds of steps. Token file (.npy, .pt, or a
+    raw uint16 .bin as nanoGPT writes): batch i is the next batch*seq tokens, wrapping around.
     """
 
-    def __init__(self, vocab: int, batch: int, seq: int, seed: int, device: str, token_file: str | None = None):
+    def __init__(self, vocab: int, batch: int, seq: int, seed: int, device: str, token_file: str | None = None,
+                 synthetic: str = "uniform"):
+        if synthetic not in SYNTHETIC:
+            raise ValueError(f"synthetic={synthetic!r}: expected one of {SYNTHETIC}")
         self.vocab, self.batch, self.seq, self.seed, self.device = vocab, batch, seq, seed, device
+        self.synthetic = synthetic
+        self.zipf = _zipf(vocab, seed) if synthetic == "zipf" and not token_file else None
         self.tokens = _load_tokens(token_file) if token_file else None
         if self.tokens is not None:
             if self.tokens.numel() < batch * seq + 1:
@@ -103,11 +111,33 @@ class Batches:
         n = self.batch * self.seq
         if self.tokens is None:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-            ids = torch.randint(0, self.vocab, (self.batch, self.seq), generator=g)
+            if self.zipf is None:
+                ids = torch.randint(0, self.vocab, (self.batch, self.seq), generator=g)
+            else:
+                probs, token_of_rank = self.zipf
+                ranks = torch.multinomial(probs, n, replacement=True, generator=g)
+                ids = token_of_rank[ranks].view(self.batch, self.seq)
         else:
             start = (i * n) % (self.tokens.numel() - n)
             ids = self.tokens[start:start + n].view(self.batch, self.seq)
         return ids.to(self.device)
+
+
+SYNTHETIC = ("uniform", "zipf")
+
+
+def _zipf(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p(rank) ~ 1 / rank over [vocab] fp64, the token id of each rank: a permutation seeded by seed)."""
+    probs = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    return probs / probs.sum(), torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+
+
+def lr_schedule(opt, warmup_steps: int):
+    """Linear warm-up of every group's lr over the first ``warmup_steps`` steps (step i trains at
+    lr * (i + 1) / warmup_steps), constant after; None when warmup_steps is 0 (constant lr)."""
+    if warmup_steps <= 0:
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup_steps))
 
 
 def _load_tokens(path: str) -> torch.Tensor:
@@ -189,7 +219,8 @@ def _setup(spec: dict):
     model.train()
     call = prepare(spec["mode"], model, fxfuse_options(spec))
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
-    data = Batches(model.config.vocab_size, spec["batch"], spec["seq"], spec["seed"], device, spec.get("tokens"))
+    data = Batches(model.config.vocab_size, spec["batch"], spec["seq"], spec["seed"], device, spec.get("tokens"),
+                   spec.get("synthetic", "uniform"))
     return model, call, opt, data
 
 
@@ -200,6 +231,7 @@ def run(spec: dict) -> dict:
     device, cuda = spec["device"], spec["device"].startswith("cuda")
     n_reports = len(fxfuse.compiled_reports())
     model, call, opt, data = _setup(spec)
+    sched = lr_schedule(opt, spec.get("lr_warmup", 0))
     losses, times, mem = [], [], []
     peak_alloc = peak_reserved = 0.0
     bar = Progress(spec["steps"], f"{spec['mode']:>8}")
@@ -213,6 +245,8 @@ def run(spec: dict) -> dict:
         _sync(device)
         times.append(time.perf_counter() - t0)
         losses.append(loss)
+        if sched is not None:
+            sched.step()
         if cuda:
             mem.append(torch.cuda.max_memory_allocated(device) / 2**20)
             peak_alloc = max(peak_alloc, mem[-1])
