@@ -4,8 +4,9 @@
     python bench/tune_rms_norm.py --shapes 4096x8192 --top 5
     python bench/tune_rms_norm.py --shapes 4096x8192 --bwd-warps 8 16 --bwd-stages 3 4   # a smaller grid
 
-Times the forward kernel and the backward (row kernel + dw reduction) separately for every
-(num_warps) and (num_warps, num_stages, programs per SM) in the grids below, and prints each
+Times the forward kernel (one program per row block, or a persistent grid of programs per SM with
+num_stages row blocks in flight) and the backward (row kernel + dw reduction) separately for every
+(num_warps[, num_stages, programs per SM]) and (num_warps, num_stages, programs per SM) in the grids below, and prints each
 configuration's GB/s against a copy ceiling measured in the same process, best first. The chosen
 values go into kernels/rms_norm.py's named tuning functions; this script only reports.
 """
@@ -18,45 +19,17 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench_ms, copy_ceiling_gbps, graphed  # noqa: E402
 
 FWD_WARPS = (2, 4, 8, 16)
-PERSISTENT_FWD_STAGES = (2, 3)  # the persistent forward below: rows prefetched per program
-PERSISTENT_FWD_PER_SM = (1, 2, 4)
+FWD_STAGES = (2, 3)  # persistent forward: row blocks in flight per program
+FWD_PROGRAMS_PER_SM = (0, 2, 4)  # 0: one program per row block (not persistent)
 BWD_WARPS = (4, 8, 16, 32)
 BWD_STAGES = (2, 3, 4)
 BWD_PROGRAMS_PER_SM = (1, 2)
 ROWS_PER_TILE = (1, 2, 4)  # BLOCK_M multiples of the default: more bytes in flight per program
-
-
-@triton.jit
-def _fwd_persistent_kernel(
-    x_ptr,  # [M, D] bf16/fp16/fp32, row stride stride_x, col stride 1
-    w_ptr,  # [D] same dtype, contiguous
-    y_ptr,  # [M, D] same dtype, contiguous
-    M,
-    D,
-    stride_x,
-    eps,
-    BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-):
-    """Candidate design, not in kernels/ yet: a persistent grid walks the rows (one row per
-    iteration, stride = grid size), the loop software-pipelined so that the next rows' loads are in
-    flight while this row is reduced and stored (the shipped forward is one row per program).
-    Llama cast order, offset 0."""
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < D
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=NUM_STAGES):
-        row64 = tl.cast(row, tl.int64)
-        xf = tl.load(x_ptr + row64 * stride_x + cols, mask=col_mask, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-        xhat = (xf * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(y_ptr + row64 * D + cols, (xhat * w).to(y_ptr.dtype.element_ty), mask=col_mask)
 
 
 def fwd_bytes(m: int, d: int, elem: int) -> int:
@@ -80,44 +53,29 @@ def sweep(m: int, d: int, dtype: torch.dtype, ceiling: float, top: int, grid: ar
     elem = x.element_size()
     base_m = k._block_m(block_n, m)
     rows = []
-    rows += _sweep_persistent_fwd(m, d, x, w, y, block_n, sms, elem, grid)
     for rows_per_tile in grid.rows_per_tile:
         block_m = base_m * rows_per_tile
         rows += _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem, grid)
     _print(k, m, d, dtype, ceiling, top, rows, x.device, elem, block_n)
 
 
-def _sweep_persistent_fwd(m, d, x, w, y, block_n, sms, elem, grid) -> list:
-    rows = []
-    for warps, stages, per_sm in itertools.product(grid.fwd_warps, PERSISTENT_FWD_STAGES, PERSISTENT_FWD_PER_SM):
-        programs = min(m, sms * per_sm)
-
-        def fwd(warps=warps, stages=stages, programs=programs):
-            _fwd_persistent_kernel[(programs,)](x, w, y, m, d, x.stride(0), 1e-5, BLOCK_N=block_n,
-                                                NUM_STAGES=stages, num_warps=warps)
-        try:
-            ms = bench_ms(graphed(fwd))
-        except Exception as exc:  # shared memory or registers: reported, not fatal
-            print(f"persistent fwd warps={warps} stages={stages} per_sm={per_sm}: {type(exc).__name__}: {str(exc)[:100]}")
-            continue
-        rows.append(("fwd", f"persistent warps={warps} stages={stages} per_sm={per_sm}", ms,
-                     fwd_bytes(m, d, elem) / ms / 1e6))
-    return rows
-
-
 def _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem, grid) -> list:
     rows = []
-    for warps in grid.fwd_warps:
-        def fwd(warps=warps):
-            k._rms_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+    blocks = triton.cdiv(m, block_m)
+    fwd_grid = [(blocks, 1, 0)] + [(min(blocks, sms * per_sm), stages, per_sm)
+                                   for per_sm in grid.fwd_per_sm if per_sm for stages in grid.fwd_stages]
+    for warps, (programs, stages, per_sm) in itertools.product(grid.fwd_warps, fwd_grid):
+        def fwd(warps=warps, programs=programs, stages=stages):
+            k._rms_norm_fwd_kernel[(programs,)](
                 x, w, y, m, d, x.stride(0), 1e-5, 0.0, HAS_WEIGHT=True, CAST_BEFORE_WEIGHT=True,
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+                BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, num_warps=warps)
+        label = f"BLOCK_M={block_m} warps={warps}" + (f" persistent stages={stages} per_sm={per_sm}" if per_sm else "")
         try:
             ms = bench_ms(graphed(fwd))
-        except Exception as exc:  # a config that does not compile (registers) is reported, not fatal
-            print(f"fwd warps={warps}: {type(exc).__name__}: {str(exc)[:100]}")
+        except Exception as exc:  # a config that does not compile (registers, shared memory) is reported
+            print(f"fwd {label}: {type(exc).__name__}: {str(exc)[:100]}")
             continue
-        rows.append(("fwd", f"BLOCK_M={block_m} warps={warps}", ms, fwd_bytes(m, d, elem) / ms / 1e6))
+        rows.append(("fwd", label, ms, fwd_bytes(m, d, elem) / ms / 1e6))
     for warps, stages, per_sm in itertools.product(grid.bwd_warps, grid.bwd_stages, grid.per_sm):
         grid = max(1, min(triton.cdiv(m, block_m), sms * per_sm))
         partial = torch.empty(grid, d, device="cuda", dtype=torch.float32)
@@ -163,8 +121,8 @@ def _copy_gbps(nbytes: int) -> float:
 
 def _current(k, kind: str, m: int, d: int, device) -> str:
     if kind == "fwd":
-        _, _, _, warps = k._fwd_launch(m, d)
-        return f"warps={warps}"
+        programs, _, _, warps, stages = k._fwd_launch(m, d, device)
+        return f"warps={warps} stages={stages} grid={programs}"
     grid, _, _, warps = k._bwd_launch(m, d, device)
     return f"warps={warps} stages={k._bwd_num_stages()} grid={grid}"
 
@@ -175,6 +133,9 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--top", type=int, default=6)
     p.add_argument("--fwd-warps", type=int, nargs="+", default=FWD_WARPS)
+    p.add_argument("--fwd-stages", type=int, nargs="+", default=FWD_STAGES)
+    p.add_argument("--fwd-per-sm", type=int, nargs="+", default=FWD_PROGRAMS_PER_SM,
+                   help="forward programs per SM (0: one per row block)")
     p.add_argument("--bwd-warps", type=int, nargs="+", default=BWD_WARPS)
     p.add_argument("--bwd-stages", type=int, nargs="+", default=BWD_STAGES)
     p.add_argument("--per-sm", type=int, nargs="+", default=BWD_PROGRAMS_PER_SM, help="backward programs per SM")

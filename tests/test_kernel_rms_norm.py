@@ -201,3 +201,35 @@ def test_bench_byte_count():
     spec.loader.exec_module(bench)
     assert bench.rms_norm_bytes(16384, 4096, torch.bfloat16) == 5 * 16384 * 4096 * 2 + 3 * 4096 * 2
     assert bench.rms_norm_bytes(7, 40, torch.bfloat16, torch.float32) == 5 * 7 * 40 * 2 + 3 * 40 * 4
+
+
+@pytest.mark.parametrize("style", ["llama", "gemma"])
+def test_persistent_forward_wide_rows(style):
+    """Rows of 8K+ elements take the persistent forward (_fwd_persistent): 37 rows of 8200 -> 16
+    programs (4 "SMs" on CPU x 4), each looping over 2-3 rows; bf16 within 2x eager's error."""
+    from fxfuse.kernels import rms_norm as k
+
+    programs, block_m, block_n, _, stages = k._fwd_launch(37, 8200, torch.device("cpu"))
+    assert (programs, block_m, block_n) == (16, 1, 16384) and stages > 1
+    eager, op, w_center = (llama_eager, llama_op, 1.0) if style == "llama" else (gemma_eager, gemma_op, 0.0)
+    x, w, dy = _inputs((37,), 8200, torch.bfloat16, w_center)
+    ref, got, base = _fp64_grads(eager, x, w, dy), _grads(op, x, w, dy), _grads(eager, x, w, dy)
+    for name, a, b, r in zip(("y", "dx", "dw"), got, base, ref):
+        assert _rel(a, r) <= 2 * _rel(b, r), name
+
+
+@pytest.mark.parametrize("lead,d", [((600,), 40), ((199,), 1000), ((1,), 64)])
+def test_persistent_forward_any_tile(monkeypatch, lead, d):
+    """The persistent loop with several rows per tile and a ragged last block (forced on: narrow rows
+    take it only when _fwd_persistent says so)."""
+    from fxfuse.kernels import rms_norm as k
+
+    monkeypatch.setattr(k, "_fwd_persistent", lambda tile: True)
+    k._fwd_launch.cache_clear()
+    try:
+        x, w, _ = _inputs(lead, d, torch.float32)
+        got = rms_norm(x, w, EPS, 0.0, True, torch.float32)
+        assert k._fwd_launch(x.numel() // d, d, x.device)[4] > 1
+    finally:
+        k._fwd_launch.cache_clear()
+    assert _rel(got, rms_norm_reference(x, w, EPS, 0.0, True, torch.float32)) < 1e-5
