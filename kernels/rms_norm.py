@@ -185,8 +185,8 @@ def _num_warps(tile_elems: int) -> int:
 
 
 def _fwd_persistent(tile_elems: int) -> bool:
-    """Tiles of 8K+ elements run a persistent, pipelined forward (H200, 4096x8192 bf16: 38.7 us vs
-    41.4 one tile per program); smaller tiles one per program (16384x4096: that was the sweep's best)."""
+    """Tiles of 8K+ elements run a persistent, pipelined forward (H200, 4096x8192 bf16, same run:
+    42.0 us vs 48.1 one tile per program); smaller tiles one per program (16384x4096: the sweep's best)."""
     return tile_elems >= 8192
 
 
@@ -196,8 +196,8 @@ def _fwd_num_stages() -> int:
 
 
 def _fwd_programs_per_sm() -> int:
-    """Persistent forward: 4 resident programs per SM (H200 sweep at 4096x8192: 4 beat 1 and 2)."""
-    return 4
+    """Persistent forward: 2 programs per SM (H200 sweep at 4096x8192: 42.0 us, 4 per SM 44.3)."""
+    return 2
 
 
 def _bwd_num_warps(tile_elems: int) -> int:

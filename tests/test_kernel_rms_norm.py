@@ -205,12 +205,12 @@ def test_bench_byte_count():
 
 @pytest.mark.parametrize("style", ["llama", "gemma"])
 def test_persistent_forward_wide_rows(style):
-    """Rows of 8K+ elements take the persistent forward (_fwd_persistent): 37 rows of 8200 -> 16
-    programs (4 "SMs" on CPU x 4), each looping over 2-3 rows; bf16 within 2x eager's error."""
+    """Rows of 8K+ elements take the persistent forward (_fwd_persistent): 37 rows of 8200 -> 8 programs
+    (4 "SMs" on CPU x 2), each looping over 4-5 rows; bf16 within 2x eager's error."""
     from fxfuse.kernels import rms_norm as k
 
     programs, block_m, block_n, _, stages = k._fwd_launch(37, 8200, torch.device("cpu"))
-    assert (programs, block_m, block_n) == (16, 1, 16384) and stages > 1
+    assert (programs, block_m, block_n) == (8, 1, 16384) and stages > 1
     eager, op, w_center = (llama_eager, llama_op, 1.0) if style == "llama" else (gemma_eager, gemma_op, 0.0)
     x, w, dy = _inputs((37,), 8200, torch.bfloat16, w_center)
     ref, got, base = _fp64_grads(eager, x, w, dy), _grads(op, x, w, dy), _grads(eager, x, w, dy)
