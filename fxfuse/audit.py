@@ -81,7 +81,7 @@ def run_worker(spec: dict, timeout: float | None = None) -> dict:
 def _base_spec(args) -> dict:
     return dict(model=args.model, config=args.config, tiny=args.tiny, dtype=args.dtype, device=args.device,
                 batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
-                lr_warmup=args.lr_warmup, tokens=args.tokens, synthetic=args.synthetic, profile_steps=args.profile_steps, fxfuse_inner=args.fxfuse_inner,
+                lr_warmup=args.lr_warmup, tokens=args.tokens, synthetic=args.synthetic, autocast=args.autocast, profile_steps=args.profile_steps, fxfuse_inner=args.fxfuse_inner,
                 fxfuse_logits=args.fxfuse_logits, fxfuse_options=args.fxfuse_options,
                 memory_peak=args.memory_peak, mem_limit_gib=args.mem_limit_gib, fit_shapes=args.fit_shapes)
 
@@ -157,10 +157,11 @@ def render(audit: dict) -> str:
     a, results, div, fit = audit["args"], audit["modes"], audit["divergence"], audit["fit"]
     cuda = a["device"].startswith("cuda")
     mem = "peak alloc / reserved MiB (CUDA allocator)" if cuda else "peak RSS MiB (process, CPU)"
+    amp = f" weights, {a['autocast']} autocast" if a.get("autocast") else ""
     warm = f" (linear warm-up over {a['lr_warmup']} steps)" if a.get("lr_warmup") else ""
     data = "tokens " + a["tokens"] if a["tokens"] else f"synthetic tokens ({a.get('synthetic', 'uniform')})"
     lines = [f"fxfuse audit: {a['model']}{' (tiny)' if a['tiny'] else ''}, batch {a['batch']} x seq {a['seq']}, "
-             f"{a['steps']} steps (median after {a['warmup']} warm-up), {a['dtype']} on {audit['env']['device']}, "
+             f"{a['steps']} steps (median after {a['warmup']} warm-up), {a['dtype']}{amp} on {audit['env']['device']}, "
              f"AdamW lr {a['lr']}{warm}, seed {a['seed']}, {data}, "
              f"fxfuse options: {options_text(a)}",
              f"memory: {mem}; target-op share: fraction of profiled step time in rms_norm/rope/swiglu/"
@@ -291,6 +292,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--autocast", default=None, choices=["bfloat16"],
+                   help="mixed precision: weights, grads and AdamW states in --dtype (give float32), the "
+                        "forward under torch.autocast(bfloat16), as HF Trainer's bf16=True")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--lr-warmup", type=int, default=0, metavar="STEPS",
                    help="linear learning-rate warm-up over the first STEPS steps (default 0: constant lr)")
@@ -328,7 +332,8 @@ def _finish(args) -> argparse.Namespace:
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    # bf16 weights on CUDA by default; fp32 master weights under --autocast and on CPU
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") and not args.autocast else "float32")
     args.fit = args.fit or ("batch" if args.device.startswith("cuda") else "none")
     args.config = dict(args.config)
     args.fxfuse_options = dict(args.fxfuse_options)

@@ -186,6 +186,20 @@ class ModeUnavailable(RuntimeError):
     pass
 
 
+def with_autocast(call, device: str, dtype: str | None):
+    """``call`` run under ``torch.autocast(device type, dtype)`` (mixed precision: the weights,
+    gradients and AdamW states stay in --dtype, e.g. fp32 master weights with bf16 matmuls, as HF
+    Trainer's bf16=True); ``call`` itself when dtype is None. Backward runs outside, as usual."""
+    if not dtype:
+        return call
+    kind, cast = torch.device(device).type, getattr(torch, dtype)
+
+    def run(**kwargs):
+        with torch.autocast(kind, dtype=cast):
+            return call(**kwargs)
+    return run
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -217,7 +231,7 @@ def _setup(spec: dict):
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec["mem_limit_gib"] * 2**30 / total), index)
     model = build_model(spec["model"], spec.get("config", {}), spec.get("tiny", False), dtype, device, spec["seed"])
     model.train()
-    call = prepare(spec["mode"], model, fxfuse_options(spec))
+    call = with_autocast(prepare(spec["mode"], model, fxfuse_options(spec)), device, spec.get("autocast"))
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
     data = Batches(model.config.vocab_size, spec["batch"], spec["seq"], spec["seed"], device, spec.get("tokens"),
                    spec.get("synthetic", "uniform"))

@@ -352,3 +352,28 @@ def test_run_with_zipf_tokens_and_warmup_reports_them(tmp_path):
     assert "linear warm-up over 3 steps" in audit["table"] and "synthetic tokens (zipf)" in audit["table"]
     losses = audit["modes"]["eager"]["losses"]
     assert min(losses[-3:]) < losses[0] - 0.5, losses  # zipf: something to learn
+
+
+def test_autocast_run_keeps_fp32_weights_and_fuses(tmp_path):
+    """--autocast bfloat16: fp32 master weights (the default dtype then), the forward under bf16
+    autocast in every mode; fxfuse still fuses every site, and its loss tracks eager's (same bf16
+    matmuls, fused ops in fp32 registers)."""
+    out = tmp_path / "audit"
+    cmd = [sys.executable, "-m", "fxfuse", "audit", "--model", "llama", "--tiny", "--config", "num_hidden_layers=1",
+           "--device", "cpu", "--batch", "2", "--seq", "16", "--steps", "3", "--warmup", "0", "--autocast", "bfloat16",
+           "--compare", "eager,fxfuse", "--fxfuse-inner", "aot_eager", "--profile-steps", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    audit = json.loads((out / "audit.json").read_text())
+    assert audit["args"]["dtype"] == "float32" and "float32 weights, bfloat16 autocast" in audit["table"]
+    fx = audit["modes"]["fxfuse"]
+    assert fx["status"] == "ok", fx["status"]
+    assert fx["report"]["counts"] == {"rms_norm": 3, "rope": 1, "swiglu": 1, "linear_cross_entropy": 1}
+    assert audit["divergence"]["fxfuse"]["max_rel"] < 1e-2, audit["divergence"]
+
+
+def test_with_autocast_runs_the_forward_in_bf16():
+    seen = []
+    call = worker.with_autocast(lambda **kw: seen.append(torch.is_autocast_enabled("cpu")), "cpu", "bfloat16")
+    call(input_ids=None)
+    assert seen == [True] and worker.with_autocast(len, "cpu", None) is len
