@@ -97,7 +97,6 @@ class Batches:
         if synthetic not in SYNTHETIC:
             raise ValueError(f"synthetic={synthetic!r}: expected one of {SYNTHETIC}")
         self.vocab, self.batch, self.seq, self.seed, self.device = vocab, batch, seq, seed, device
-        self.synthetic = synthetic
         self.zipf = _zipf(vocab, seed) if synthetic == "zipf" and not token_file else None
         self.tokens = _load_tokens(token_file) if token_file else None
         if self.tokens is not None:
