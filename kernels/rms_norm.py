@@ -239,7 +239,8 @@ def _fwd_launch(m: int, d: int, device: torch.device) -> tuple[int, int, int, in
     tile = block_m * block_n
     blocks = triton.cdiv(m, block_m)
     if _fwd_persistent(tile):
-        return min(blocks, _num_sms(device) * _fwd_programs_per_sm()), block_m, block_n, _fwd_persistent_num_warps(), _fwd_num_stages()
+        programs = min(blocks, _num_sms(device) * _fwd_programs_per_sm())
+        return programs, block_m, block_n, _fwd_persistent_num_warps(), _fwd_num_stages()
     return blocks, block_m, block_n, _num_warps(tile), 1
 
 
