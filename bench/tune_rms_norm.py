@@ -6,9 +6,10 @@
 
 Times the forward kernel (one program per row block, or a persistent grid of programs per SM with
 num_stages row blocks in flight) and the backward (row kernel + dw reduction) separately for every
-(num_warps[, num_stages, programs per SM]) and (num_warps, num_stages, programs per SM) in the grids below, and prints each
-configuration's GB/s against a copy ceiling measured in the same process, best first. The chosen
-values go into kernels/rms_norm.py's named tuning functions; this script only reports.
+(num_warps[, num_stages, programs per SM]) and (num_warps, num_stages, programs per SM) in the
+grids below, and prints each configuration's GB/s against a copy ceiling measured in the same
+process, best first. The chosen values go into kernels/rms_norm.py's named tuning functions; this
+script only reports.
 """
 from __future__ import annotations
 

@@ -81,7 +81,8 @@ def run_worker(spec: dict, timeout: float | None = None) -> dict:
 def _base_spec(args) -> dict:
     return dict(model=args.model, config=args.config, tiny=args.tiny, dtype=args.dtype, device=args.device,
                 batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
-                lr_warmup=args.lr_warmup, tokens=args.tokens, synthetic=args.synthetic, autocast=args.autocast, profile_steps=args.profile_steps, fxfuse_inner=args.fxfuse_inner,
+                lr_warmup=args.lr_warmup, tokens=args.tokens, synthetic=args.synthetic, autocast=args.autocast,
+                profile_steps=args.profile_steps, fxfuse_inner=args.fxfuse_inner,
                 fxfuse_logits=args.fxfuse_logits, fxfuse_options=args.fxfuse_options,
                 memory_peak=args.memory_peak, mem_limit_gib=args.mem_limit_gib, fit_shapes=args.fit_shapes)
 
