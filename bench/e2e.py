@@ -28,7 +28,8 @@ def markdown(audit: dict) -> str:
     cuda = a["device"].startswith("cuda")
     mem = "peak alloc GiB | peak reserved GiB" if cuda else "peak RSS GiB | -"
     lines = [f"### {a['model']}{' (tiny)' if a['tiny'] else ''}, batch {a['batch']} x {a['seq']}, {a['dtype']}"
-             + (f" weights + {a['autocast']} autocast" if a.get("autocast") else "") + ", "
+             + (f" weights + {a['autocast']} autocast" if a.get("autocast") else "")
+             + (", activation checkpointing" if a.get("checkpointing") else "") + ", "
              f"{a['steps']} steps (median after {a['warmup']}), {env['device']}, torch {env['torch']}, "
              f"{'tokens ' + a['tokens'] if a['tokens'] else a.get('synthetic', 'uniform') + ' synthetic tokens'}, "
              f"AdamW lr {a['lr']}" + (f" warm-up {a['lr_warmup']} steps" if a.get("lr_warmup") else "")

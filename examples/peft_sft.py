@@ -61,8 +61,7 @@ def sft(model, out: str, steps: int = 3, patch_options: dict | None = None):
     args = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=2, gradient_accumulation_steps=1,
                      learning_rate=1e-2, optim="sgd", lr_scheduler_type="constant", logging_steps=1,
                      save_strategy="no", report_to="none", use_cpu=True, max_length=32, seed=0, data_seed=0,
-                     dataloader_num_workers=0,
-                     gradient_checkpointing=False)  # checkpointed graphs stay unfused: see README Integrations
+                     dataloader_num_workers=0)  # TRL's default gradient_checkpointing=True: fused as well
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}),
                          processing_class=char_tokenizer())
     trainer.train()

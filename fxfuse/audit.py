@@ -82,6 +82,7 @@ def _base_spec(args) -> dict:
     return dict(model=args.model, config=args.config, tiny=args.tiny, dtype=args.dtype, device=args.device,
                 batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
                 lr_warmup=args.lr_warmup, tokens=args.tokens, synthetic=args.synthetic, autocast=args.autocast,
+                checkpointing=args.checkpointing,
                 profile_steps=args.profile_steps, fxfuse_inner=args.fxfuse_inner,
                 fxfuse_logits=args.fxfuse_logits, fxfuse_options=args.fxfuse_options,
                 memory_peak=args.memory_peak, mem_limit_gib=args.mem_limit_gib, fit_shapes=args.fit_shapes)
@@ -159,10 +160,11 @@ def render(audit: dict) -> str:
     cuda = a["device"].startswith("cuda")
     mem = "peak alloc / reserved MiB (CUDA allocator)" if cuda else "peak RSS MiB (process, CPU)"
     amp = f" weights, {a['autocast']} autocast" if a.get("autocast") else ""
+    ckpt = ", activation checkpointing" if a.get("checkpointing") else ""
     warm = f" (linear warm-up over {a['lr_warmup']} steps)" if a.get("lr_warmup") else ""
     data = "tokens " + a["tokens"] if a["tokens"] else f"synthetic tokens ({a.get('synthetic', 'uniform')})"
     lines = [f"fxfuse audit: {a['model']}{' (tiny)' if a['tiny'] else ''}, batch {a['batch']} x seq {a['seq']}, "
-             f"{a['steps']} steps (median after {a['warmup']} warm-up), {a['dtype']}{amp} on {audit['env']['device']}, "
+             f"{a['steps']} steps (median after {a['warmup']} warm-up), {a['dtype']}{amp}{ckpt} on {audit['env']['device']}, "
              f"AdamW lr {a['lr']}{warm}, seed {a['seed']}, {data}, "
              f"fxfuse options: {options_text(a)}",
              f"memory: {mem}; target-op share: fraction of profiled step time in rms_norm/rope/swiglu/"
@@ -296,6 +298,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--autocast", default=None, choices=["bfloat16"],
                    help="mixed precision: weights, grads and AdamW states in --dtype (give float32), the "
                         "forward under torch.autocast(bfloat16), as HF Trainer's bf16=True")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing of every decoder layer (non-reentrant), in every mode")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--lr-warmup", type=int, default=0, metavar="STEPS",
                    help="linear learning-rate warm-up over the first STEPS steps (default 0: constant lr)")

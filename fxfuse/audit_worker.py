@@ -185,6 +185,16 @@ class ModeUnavailable(RuntimeError):
     pass
 
 
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing of every decoder layer, non-reentrant (transformers >= 5.2x names it
+    activation_checkpointing_enable, earlier gradient_checkpointing_enable)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def with_autocast(call, device: str, dtype: str | None):
     """``call`` run under ``torch.autocast(device type, dtype)`` (mixed precision: the weights,
     gradients and AdamW states stay in --dtype, e.g. fp32 master weights with bf16 matmuls, as HF
@@ -230,6 +240,8 @@ def _setup(spec: dict):
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec["mem_limit_gib"] * 2**30 / total), index)
     model = build_model(spec["model"], spec.get("config", {}), spec.get("tiny", False), dtype, device, spec["seed"])
     model.train()
+    if spec.get("checkpointing"):
+        enable_checkpointing(model)
     call = with_autocast(prepare(spec["mode"], model, fxfuse_options(spec)), device, spec.get("autocast"))
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
     data = Batches(model.config.vocab_size, spec["batch"], spec["seq"], spec["seed"], device, spec.get("tokens"),

@@ -165,6 +165,11 @@ class GraphMatcher:
                     f"{pattern.name} site by {', '.join(u.name for u in escaping[0].users if u not in region)}; "
                     "fusing would recompute or drop it")
                 continue
+            if len({n.meta.get("ac_graph_id") for n in region}) > 1:
+                first_reason = first_reason or (
+                    "spans an activation-checkpoint boundary (part of it is recomputed in backward, part "
+                    "is not); fusing would change what is recomputed")
+                continue
             scalars = {s.name if isinstance(s, Free) else pg.scalars[s]: v for s, v in binds.items()}
             return Match(pattern, pg.variant, out, inputs, scalars, region, escapes), None, region
         return None, first_reason, first_region

@@ -14,6 +14,8 @@ from torch._guards import TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .checkpoint import inline_checkpoints
+
 
 def _fakify(gm: fx.GraphModule, example_inputs, fake_mode):
     """Fake copies of the real example inputs in Dynamo's fake mode, with Dynamo's symbolic sizes.
@@ -42,29 +44,35 @@ class Unsupported(RuntimeError):
 
 
 def check_retraceable(gm: fx.GraphModule) -> None:
-    """Higher-order ops (a custom autograd.Function, activation checkpointing, ...) carry backward
-    rules or recomputation that a plain re-trace would drop, silently losing gradients (seen with
-    Bloom's GeLU autograd.Function): such graphs stay unfused."""
+    """Higher-order ops (a custom autograd.Function, selective activation checkpointing, ...) carry
+    backward rules or recomputation policies that a plain re-trace would drop, silently losing
+    gradients (seen with Bloom's GeLU autograd.Function): such graphs stay unfused. Plain activation
+    checkpointing is inlined with its recompute tags before this check (checkpoint.py)."""
     for n in gm.graph.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
-            raise Unsupported(f"higher-order op {n.target.__name__} ({n.name}) would lose its backward or "
-                              "recomputation in the re-trace")
+            what = ("selective activation checkpointing (a context_fn policy)"
+                    if n.target.__name__ == "tag_activation_checkpoint" else f"higher-order op {n.target.__name__}")
+            raise Unsupported(f"{what} ({n.name}) would lose its backward or recomputation in the re-trace")
 
 
 def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
-    """Re-trace Dynamo's graph to pre-dispatch ATen; keeps Dynamo's graph and placeholder metadata."""
-    check_retraceable(gm)
+    """Re-trace Dynamo's graph to pre-dispatch ATen; keeps Dynamo's graph and placeholder metadata.
+    Activation-checkpointed regions are inlined with their recompute tags (checkpoint.py); their
+    number is ``aten_gm.meta["fxfuse_checkpoint_regions"]``."""
+    source, regions = inline_checkpoints(gm)
+    check_retraceable(source)
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     fakes = _fakify(gm, example_inputs, fake_mode)
 
     def run(*args):
-        return fx.Interpreter(gm).run(*args)
+        return fx.Interpreter(source).run(*args)
 
     with fake_mode, fx_traceback.preserve_node_meta():
         aten_gm = make_fx(run, pre_dispatch=True)(*fakes)
     aten_gm.graph.eliminate_dead_code()  # make_fx leaves dead aten.detach nodes
     aten_gm.recompile()
     aten_gm.meta.update(gm.meta)
+    aten_gm.meta["fxfuse_checkpoint_regions"] = regions
     if hasattr(gm, "_param_name_to_source"):
         # tensor constants the re-trace lifted (a KV cache's initial tensors) need a source too
         from torch._dynamo.source import ConstantSource

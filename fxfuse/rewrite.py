@@ -117,6 +117,9 @@ def _placed_groups(pattern: Pattern, matches: list[Match], graph: fx.Graph) -> l
     that (gpt-fast computes k's input after q's rotation); a group that fits neither is split."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     groups = pattern.group(matches) if pattern.group else [[m] for m in matches]
+    # one fused call never spans two activation-checkpointed regions (nor a region and the outside)
+    groups = [[m for m in g if m.anchor.meta.get("ac_graph_id") == ac]
+              for g in groups for ac in dict.fromkeys(m.anchor.meta.get("ac_graph_id") for m in g)]
     out = []
     for g in groups:
         first = min((m.anchor for m in g), key=order.__getitem__)
@@ -135,6 +138,17 @@ def _lower(pattern: Pattern, group: list[Match], graph: fx.Graph) -> list[fx.Nod
     if pattern.lower_group:
         return pattern.lower_group(group, graph)
     return [pattern.lower(group[0], graph)]
+
+
+def _tag_checkpointed(nodes, anchor: fx.Node) -> bool:
+    """Give every node of a fused site the checkpoint tags of the region it replaces (checkpoint.py):
+    the partitioner then recomputes the fused calls with the rest of the region. True if tagged."""
+    if "ac_graph_id" not in anchor.meta:
+        return False
+    for n in nodes:
+        n.meta["recompute"] = anchor.meta["recompute"]
+        n.meta["ac_graph_id"] = anchor.meta["ac_graph_id"]
+    return True
 
 
 def _tag_recompute(nodes) -> None:
@@ -176,7 +190,9 @@ def rewrite(gm: fx.GraphModule, patterns: list[Pattern], skip_escapes: bool = Fa
             saved = [saved_bytes(m) for m in group]
             nbytes, names = sum(b for b, _ in saved), [t for _, ts in saved for t in ts]
             text, recomputed = f"{len(names)} tensors, {nbytes / 2**10:.1f} KiB/call", []
-            if recompute and pattern.recompute:
+            if _tag_checkpointed(set(gm.graph.nodes) - before, first):
+                text += ", in an activation-checkpointed region (recomputed in backward)"
+            elif recompute and pattern.recompute:
                 _tag_recompute(set(gm.graph.nodes) - before)
                 outs = [(m.anchor, val(m.anchor)) for m in group if val(m.anchor) is not None]
                 recomputed = [tensor_desc(n, v) for n, v in outs]

@@ -377,3 +377,20 @@ def test_with_autocast_runs_the_forward_in_bf16():
     call = worker.with_autocast(lambda **kw: seen.append(torch.is_autocast_enabled("cpu")), "cpu", "bfloat16")
     call(input_ids=None)
     assert seen == [True] and worker.with_autocast(len, "cpu", None) is len
+
+
+def test_checkpointing_run_fuses_inside_the_checkpointed_layers(tmp_path):
+    """--checkpointing: every mode checkpoints each decoder layer; fxfuse fuses the sites inside them
+    and its fp32 loss curve equals eager's."""
+    out = tmp_path / "audit"
+    cmd = [sys.executable, "-m", "fxfuse", "audit", "--model", "llama", "--tiny", "--config", "num_hidden_layers=1",
+           "--device", "cpu", "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "0", "--checkpointing",
+           "--compare", "eager,fxfuse", "--fxfuse-inner", "aot_eager", "--profile-steps", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    audit = json.loads((out / "audit.json").read_text())
+    assert "activation checkpointing" in audit["table"]
+    fx = audit["modes"]["fxfuse"]
+    assert fx["status"] == "ok" and not fx["report"].get("errors"), fx
+    assert fx["report"]["counts"] == {"rms_norm": 3, "rope": 1, "swiglu": 1, "linear_cross_entropy": 1}
+    assert audit["divergence"]["fxfuse"]["max_rel"] < 1e-5, audit["divergence"]

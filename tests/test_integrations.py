@@ -140,8 +140,9 @@ def test_peft_lora_parity_and_gradients_only_on_adapters():
 
 
 def test_trl_sft_trainer_with_lora(tmp_path):
-    """SFTTrainer on a patched PEFT model: trains, the backbone's sites are fused (TRL computes the
-    loss with its own chunked head), only adapters change."""
+    """SFTTrainer (its default gradient_checkpointing=True) on a patched PEFT model: trains, the
+    backbone's sites are fused inside the checkpointed layers (TRL computes the loss with its own
+    chunked head), only adapters change."""
     ex = example("peft_sft")
     model = ex.lora_model()
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
@@ -153,6 +154,8 @@ def test_trl_sft_trainer_with_lora(tmp_path):
     # a new padded length recompiles once (automatic dynamic), so sites are counted once per graph
     assert counts["rms_norm"] >= 5 and counts["rms_norm"] % 5 == 0, counts
     assert counts["swiglu"] >= 2 and counts["rope"] >= 2 and not fxfuse.patch_report(model).errors, counts
+    assert trainer.args.gradient_checkpointing
+    assert any("activation-checkpointed region" in s.saved for s in fxfuse.patch_report(model).matched)
     params = dict(model.named_parameters())
     assert all(torch.equal(params[n], v) for n, v in frozen.items())
     assert all(not torch.equal(params[n], v) for n, v in adapters.items())
