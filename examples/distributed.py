@@ -1,7 +1,7 @@
 """DDP and FSDP2 with fxfuse: patch the model, then wrap it (or shard it) as usual.
 
     torchrun --nproc_per_node 2 examples/distributed.py --wrap ddp   [--inner inductor] [--check]
-    torchrun --nproc_per_node 2 examples/distributed.py --wrap fsdp2 [--inner inductor] [--check]
+    torchrun --nproc_per_node 2 examples/distributed.py --wrap fsdp2 [--inner inductor] [--check] [--checkpointing]
 
 Runs on CPU with gloo (no GPU needed) or on CUDA with NCCL (one GPU per rank). Each rank takes its
 slice of one global batch; DDP and FSDP2 average the gradients over ranks, so every rank ends with
@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import fxfuse
+from fxfuse.audit_worker import enable_checkpointing
 
 # ~2 MB of fp32 parameters: more than DDP's first bucket (1 MiB), so 1 MB buckets split the graph
 CONFIG = dict(vocab_size=96, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -93,6 +94,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="llama")
     ap.add_argument("--inner", default="inductor", choices=["inductor", "aot_eager", "eager"])
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every decoder layer")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -102,6 +104,8 @@ def main(argv=None) -> None:
         torch.cuda.set_device(device)
     model = build_model(args.model).to(device)
     reference = copy.deepcopy(model) if args.check else None
+    if args.checkpointing:
+        enable_checkpointing(model)
     batch = {k: v.to(device) for k, v in global_batch(world).items()}
     mine = {k: v.chunk(world)[rank] for k, v in batch.items()}
 

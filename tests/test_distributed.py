@@ -15,21 +15,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = re.compile(r"rank (\d): loss rel err (\S+), worst grad rel err (\S+), graphs (\d+), counts (\{[^}]*\})")  # rank lines may interleave
 
 
-def _launch(wrap: str) -> list[tuple]:
+def _launch(wrap: str, *extra: str) -> tuple[list[tuple], str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "examples", "distributed.py"), "--wrap", wrap, "--inner", "aot_eager", "--check"]
+           os.path.join(ROOT, "examples", "distributed.py"), "--wrap", wrap, "--inner", "aot_eager", "--check", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # TRITON_INTERPRET=1 comes from conftest
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     rows = sorted(LINE.findall(out))
     assert [r[0] for r in rows] == ["0", "1"], out[-4000:]
-    return rows
+    return rows, out
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
 def test_two_process_parity_with_single_process_eager(wrap):
-    rows = _launch(wrap)
+    rows, _ = _launch(wrap)
     for _, loss_err, grad_err, graphs, counts in rows:
         assert float(loss_err) < 1e-5 and float(grad_err) < 1e-5
         counts = ast.literal_eval(counts)  # the worker prints Report.counts()
@@ -42,6 +42,16 @@ def test_two_process_parity_with_single_process_eager(wrap):
             # layer graph (same code, same guards), so it is reported once
             assert int(graphs) >= 3
             assert counts == {"rms_norm": 3, "rope": 1, "swiglu": 1, "linear_cross_entropy": 1}
+
+
+def test_fsdp2_with_activation_checkpointing():
+    """FSDP2 + activation checkpointing of each decoder layer (torchtitan's usual setup): the sites
+    inside the checkpointed layers fuse, with the same parity."""
+    rows, out = _launch("fsdp2", "--checkpointing")
+    for _, loss_err, grad_err, _, counts in rows:
+        assert float(loss_err) < 1e-5 and float(grad_err) < 1e-5
+        assert ast.literal_eval(counts) == {"rms_norm": 3, "rope": 1, "swiglu": 1, "linear_cross_entropy": 1}
+    assert out.count("in an activation-checkpointed region") == 4, out[-4000:]  # 2 norms, rope, swiglu
 
 
 def test_fsdp2_benchmark_script_runs_on_cpu():
