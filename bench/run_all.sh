@@ -8,6 +8,7 @@
 #                                                  # e.g. E2E_ARGS="--fxfuse-option loss_head=fast --fit batch")
 #   bash bench/run_all.sh tune_rms_norm            # RMSNorm launch-parameter sweep, only when named
 #   bash bench/run_all.sh fsdp2                    # 2-GPU FSDP2 step (examples/fsdp2_bench.py), only when named
+#                                                  # (FSDP_ARGS=--checkpointing: activation checkpointing too)
 # fxfuse is installed into /tmp/site (not editable: the image has no network for build deps) and
 # scripts run by path, so the repo's fxfuse/ folder never shadows the installed package.
 set -u
@@ -44,6 +45,6 @@ if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" fsdp2 "* ]]; then
   for impl in ${FSDP_IMPLS:-eager inductor liger fxfuse}; do
     echo "== fsdp2 $impl"
     timeout "${FSDP_TIMEOUT:-240}" python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
-      "$repo/examples/fsdp2_bench.py" --impl "$impl" 2>&1 | tee -a "$out/fsdp2.log" | grep -v Warning
+      "$repo/examples/fsdp2_bench.py" --impl "$impl" ${FSDP_ARGS:-} 2>&1 | tee -a "$out/fsdp2.log" | grep -v Warning
   done
 fi

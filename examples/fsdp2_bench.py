@@ -1,7 +1,7 @@
 """FSDP2 training step on 2 GPUs, bf16, Llama-3.2-1B-like, eager vs Inductor vs Liger (eager) vs
 fxfuse: peak memory per GPU and median step time (results: bench/RESULTS.md).
 
-    torchrun --nproc_per_node 2 examples/fsdp2_bench.py --impl eager|inductor|liger|fxfuse [--batch 4 --seq 2048]
+    torchrun --nproc_per_node 2 examples/fsdp2_bench.py --impl eager|inductor|liger|fxfuse [--batch 4 --seq 2048] [--checkpointing]
     bash bench/run_all.sh fsdp2      # all four, one after the other (on the 2-GPU device kind)
     torchrun --nproc_per_node 2 examples/fsdp2_bench.py --impl fxfuse --smoke   # CPU, gloo, tiny model
 
@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny fp32 model, aot_eager: checks the script")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every decoder layer")
     args = ap.parse_args()
     dist.init_process_group("gloo" if args.smoke else "nccl")
     rank = dist.get_rank()
@@ -64,6 +65,10 @@ def main() -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build(args.impl, device, args.smoke)
+    if args.checkpointing:
+        from fxfuse.audit_worker import enable_checkpointing
+
+        enable_checkpointing(model)
     low = torch.float32 if args.smoke else torch.bfloat16
     mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -96,7 +101,7 @@ def main() -> None:
     peak = torch.tensor(0.0 if args.smoke else torch.cuda.max_memory_allocated() / 2**30, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(f"{args.impl}, {1e3 * statistics.median(times):.1f} ms/step, {peak.item():.2f} GiB/GPU, "
+        print(f"{args.impl}{' + AC' if args.checkpointing else ''}, {1e3 * statistics.median(times):.1f} ms/step, {peak.item():.2f} GiB/GPU, "
               f"loss {loss.item():.4f}")
         if args.impl == "fxfuse":
             print(fxfuse.patch_report(model))
