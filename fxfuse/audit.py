@@ -20,7 +20,7 @@ state, compiled code or warm caches. The parent prints one table and writes ``au
   once per probed batch instead, still in one process. The sequence search runs every
   probe in its own process (each recompiles);
 - the share of step time in the target ops (torch.profiler; attribution rule in audit_profile.py);
-- the loss curve of every mode and its largest divergence from eager's;
+- the loss curve of every mode, its largest divergence from eager's, and between the other modes;
 - fxfuse's report and the saved activations it removed, per pattern, largest first.
 
 Data: synthetic tokens by default, ``--synthetic uniform`` (nothing to learn: near ln(vocab) the
@@ -134,6 +134,15 @@ def fit_search(args, mode: str) -> dict:
     return out
 
 
+def pairwise_divergence(results: dict) -> dict:
+    """"a vs b" -> the largest |loss difference| between every two non-eager modes: when every mode
+    leaves eager's bf16 curve by the same amount, this shows whether they agree with each other."""
+    curves = {m: r["losses"] for m, r in results.items() if m != "eager" and r.get("losses")}
+    names = list(curves)
+    return {f"{a} vs {b}": max(abs(x - y) for x, y in zip(curves[a], curves[b]))
+            for i, a in enumerate(names) for b in names[i + 1:]}
+
+
 def divergence(results: dict) -> dict:
     """Per mode: the largest |loss - eager loss| over the steps both ran, absolute and relative."""
     ref = (results.get("eager") or {}).get("losses")
@@ -199,6 +208,9 @@ def render(audit: dict) -> str:
             lines.append(f"  its fxfuse graphs: fused {rep['counts']}" + (
                 f", causal attention at {sum(not x['reason'] for x in att)}/{len(att)} SDPA calls"
                 + (f" ({'; '.join(why)})" if why else "") if att else ""))
+    pairs = audit.get("pairwise") or {}
+    if pairs:
+        lines.append("max |dloss| between modes: " + ", ".join(f"{k} {v:.2e}" for k, v in pairs.items()))
     n = a["show_losses"]
     lines.append(f"\nloss curve, first {n} steps:")
     for mode, r in results.items():
@@ -254,6 +266,7 @@ def run_audit(args) -> dict:
             print(f"fxfuse audit: largest {args.fit} search for {mode} ...", file=sys.stderr, flush=True)
             fit[mode] = fit_search(args, mode)
     audit = {"args": vars(args) | {"fn": None}, "env": env, "modes": results, "divergence": divergence(results),
+             "pairwise": pairwise_divergence(results),
              "fit": fit}
     audit["table"] = render(audit)
     mem_label = "peak allocated MiB per step" if args.device.startswith("cuda") else "RSS MiB after each step"

@@ -370,6 +370,12 @@ def test_autocast_run_keeps_fp32_weights_and_fuses(tmp_path):
     assert fx["status"] == "ok", fx["status"]
     assert fx["report"]["counts"] == {"rms_norm": 3, "rope": 1, "swiglu": 1, "linear_cross_entropy": 1}
     assert audit["divergence"]["fxfuse"]["max_rel"] < 1e-2, audit["divergence"]
+    # the table's line comparing the non-eager modes with each other (here fxfuse and a shifted copy)
+    from fxfuse.audit import pairwise_divergence, render
+
+    audit["modes"]["other"] = {**fx, "losses": [v + 0.5 for v in fx["losses"]]}
+    audit["pairwise"] = pairwise_divergence(audit["modes"])
+    assert "max |dloss| between modes: fxfuse vs other 5.00e-01" in render(audit)
 
 
 def test_with_autocast_runs_the_forward_in_bf16():
@@ -394,3 +400,11 @@ def test_checkpointing_run_fuses_inside_the_checkpointed_layers(tmp_path):
     assert fx["status"] == "ok" and not fx["report"].get("errors"), fx
     assert fx["report"]["counts"] == {"rms_norm": 3, "rope": 1, "swiglu": 1, "linear_cross_entropy": 1}
     assert audit["divergence"]["fxfuse"]["max_rel"] < 1e-5, audit["divergence"]
+
+
+def test_pairwise_divergence_between_non_eager_modes():
+    from fxfuse.audit import pairwise_divergence
+
+    results = {"eager": {"losses": [1.0, 2.0]}, "inductor": {"losses": [1.1, 2.0]},
+               "liger": {"status": "not installed"}, "fxfuse": {"losses": [1.1, 2.3]}}
+    assert pairwise_divergence(results) == pytest.approx({"inductor vs fxfuse": 0.3})
