@@ -48,6 +48,8 @@ def markdown(audit: dict) -> str:
             f"{f(audit['fit'].get(mode, {}).get('batch', {}).get('largest'), 'd')} | "
             f"{f(prof['target_share'] * 100 if prof else None, '.1f')} | "
             f"{f(audit['divergence'].get(mode, {}).get('max_abs'), '.2e')} | {r.get('status', '')} |")
+    if audit.get("pairwise"):
+        lines += ["", "max |dloss| between modes: " + ", ".join(f"{k} {v:.2e}" for k, v in audit["pairwise"].items())]
     fx = audit["modes"].get("fxfuse") or {}
     if fx.get("removed") is not None:
         lines += ["", f"fxfuse fused {fx['report']['counts']}, {len(fx['report']['unmatched'])} unmatched; "

@@ -189,6 +189,9 @@ def test_fxfuse_option_end_to_end(tmp_path):
     e2e = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(e2e)
     assert "fxfuse options: inner=aot_eager, logits=skip, loss_head=fast" in e2e.markdown(audit).splitlines()[0]
+    assert "uniform synthetic tokens, AdamW lr 0.0003" in e2e.markdown(audit).splitlines()[0]
+    audit["pairwise"] = {"inductor vs fxfuse": 0.25}
+    assert "max |dloss| between modes: inductor vs fxfuse 2.50e-01" in e2e.markdown(audit)
 
 
 def test_bad_fxfuse_option_is_the_fxfuse_rows_error():
