@@ -157,3 +157,20 @@ def test_inline_leaves_the_dynamo_graph_alone_and_tags_each_region():
             and hasattr(n.target, "__name__")}
     assert tags["cos"] == 1 and tags["sin"] == 2 and tags["exp"] is None, tags
     assert all(getattr(n.target, "__name__", "") != "tag_activation_checkpoint" for n in out.graph.nodes)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "qwen3", "phi3", "mixtral", "gpt_neox", "olmo2"])
+def test_checkpointed_architectures_fuse_as_without(model_type):
+    """Across the zoo's spellings (Gemma2's four norms and softcaps, Qwen3's q/k norms, Phi-3's fused
+    gate_up, Mixtral's experts, NeoX's partial rotary, OLMo2's post-norms): checkpointing every
+    layer fuses the same sites as without it, with fp32 parity."""
+    from fxfuse.zoo import HF_ZOO
+
+    plain = hf_model(model_type, **HF_ZOO[model_type])
+    _, _, expected, _ = compiled_parity(plain, batch())
+    model = hf_model(model_type, **HF_ZOO[model_type])
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    loss_err, grad_err, report, _ = compiled_parity(model, batch())
+    assert not report.errors and report.counts() == expected.counts(), (report.errors, report.counts())
+    assert any("activation-checkpointed region" in s.saved for s in report.matched)
+    assert loss_err < 1e-5 and grad_err < 1e-5
