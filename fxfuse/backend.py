@@ -45,10 +45,7 @@ def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.Gra
     try:
         aten_gm = to_aten(gm, example_inputs)
         before = aten_gm.code if opts.debug_dir else ""
-        report = rewrite(aten_gm, selected_patterns(opts.patterns), skip_escapes=opts.logits == "skip",
-                         recompute=opts.recompute)
-        if opts.loss_head_algorithm() != "lean":
-            _set_loss_head(aten_gm, opts.loss_head_algorithm())
+        report = rewrite(aten_gm, selected_patterns(opts.patterns), opts)
         if opts.causal_attention:
             done, left = causal_attention(aten_gm)
             variant = causal_variant(aten_gm)
@@ -68,14 +65,6 @@ def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.Gra
     if opts.debug_dir:
         dump_report(opts.debug_dir, f"graph{next(_graph_ids)}", report, before, aten_gm)
     return aten_gm, report
-
-
-def _set_loss_head(gm: fx.GraphModule, algorithm: str) -> None:
-    """Every fused loss head call takes ``algorithm`` (the op's trailing argument; default "lean")."""
-    for n in gm.graph.nodes:
-        if str(n.target) == "fxfuse.linear_cross_entropy.default":
-            n.args = (*n.args[:9], algorithm)
-    gm.recompile()
 
 
 def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):

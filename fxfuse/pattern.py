@@ -67,11 +67,13 @@ class Pattern:
     shapes: dict[str, tuple[int, ...]]  # example shape of each tensor parameter, for tracing
     dtypes: tuple[dict[str, torch.dtype], ...]  # dtype sets to trace each variant with
     check: Callable[[Any], str | None]  # Match -> None (accept) or the reason it is not fused
-    lower: Callable[[Any, fx.Graph], fx.Node] | None = None  # emit the fused call; return it
+    # (Match, graph, Options) -> the fused call, emitted at the graph's insertion point (the backend's
+    # options choose how a site is lowered: the loss head's algorithm, say)
+    lower: Callable[[Any, fx.Graph, Any], fx.Node] | None = None
     # patterns whose fused call serves several matches (RoPE: q and k): group the accepted matches
     # (each group is one site), and lower a group to one node per match, in the group's order
     group: Callable[[list], list[list]] | None = None
-    lower_group: Callable[[list, fx.Graph], list[fx.Node]] | None = None
+    lower_group: Callable[[list, fx.Graph, Any], list[fx.Node]] | None = None
     # (interior FX node, its users outside the match) -> True if it may be used there (a loss head's
     # logits, which models return): it stays computed, from detached inputs, so no gradient or
     # backward tangent flows to it

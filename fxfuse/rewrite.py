@@ -8,6 +8,7 @@ import torch.fx as fx
 
 from .canon import CASTS, is_noop_cast, val
 from .matcher import GraphMatcher, Match
+from .options import Options
 from .pattern import Pattern
 from .report import Report, Site, module_path, source_line
 
@@ -134,10 +135,10 @@ def _placed_groups(pattern: Pattern, matches: list[Match], graph: fx.Graph) -> l
     return out
 
 
-def _lower(pattern: Pattern, group: list[Match], graph: fx.Graph) -> list[fx.Node]:
+def _lower(pattern: Pattern, group: list[Match], graph: fx.Graph, opts: Options) -> list[fx.Node]:
     if pattern.lower_group:
-        return pattern.lower_group(group, graph)
-    return [pattern.lower(group[0], graph)]
+        return pattern.lower_group(group, graph, opts)
+    return [pattern.lower(group[0], graph, opts)]
 
 
 def _tag_checkpointed(nodes, anchor: fx.Node) -> bool:
@@ -162,13 +163,13 @@ def _tag_recompute(nodes) -> None:
             n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def rewrite(gm: fx.GraphModule, patterns: list[Pattern], skip_escapes: bool = False,
-            recompute: bool = False) -> Report:
-    """Fuse every accepted match of each pattern in gm (in place); report what happened.
-    skip_escapes: values a match lets escape (returned logits) are not computed: their outputs
-    become empty placeholders, listed in report.skipped_outputs (positions in the output tuple).
-    recompute: fused calls of patterns with ``recompute=True`` are tagged for recomputation in
-    backward (their outputs are not saved)."""
+def rewrite(gm: fx.GraphModule, patterns: list[Pattern], opts: Options) -> Report:
+    """Fuse every accepted match of each pattern in gm (in place); report what happened. Options
+    used here: logits="skip": values a match lets escape (returned logits) are not computed: their
+    outputs become empty placeholders, listed in report.skipped_outputs (positions in the output
+    tuple); recompute: fused calls of patterns with ``recompute=True`` are tagged for recomputation
+    in backward (their outputs are not saved); the patterns' lowerings read the rest (loss_head)."""
+    skip_escapes, recompute = opts.logits == "skip", opts.recompute
     report = Report(graphs=1)
     skipped: list[fx.Node] = []
     for pattern in patterns:
@@ -179,7 +180,7 @@ def rewrite(gm: fx.GraphModule, patterns: list[Pattern], skip_escapes: bool = Fa
             before = set(gm.graph.nodes)
             try:
                 with gm.graph.inserting_before(where):
-                    news = _lower(pattern, group, gm.graph)
+                    news = _lower(pattern, group, gm.graph, opts)
             except Exception as e:  # fail safe: the site stays unfused, the compile goes on
                 for n in reversed(list(gm.graph.nodes)):
                     if n not in before:

@@ -83,7 +83,7 @@ def check(m) -> str | None:
     return None
 
 
-def lower(m, graph: fx.Graph) -> fx.Node:
+def lower(m, graph: fx.Graph, opts) -> fx.Node:
     import fxfuse.kernels.rms_norm  # noqa: F401  registers torch.ops.fxfuse.rms_norm
 
     x = m.inputs["x"]

@@ -146,7 +146,7 @@ def _as(graph: fx.Graph, x: fx.Node, dtype: torch.dtype) -> fx.Node:
     return x if val(x).dtype == dtype else graph.call_function(aten.to.dtype, (x, dtype))
 
 
-def lower_group(ms: list, graph: fx.Graph) -> list[fx.Node]:
+def lower_group(ms: list, graph: fx.Graph, opts) -> list[fx.Node]:
     import fxfuse.kernels.rope  # noqa: F401  registers torch.ops.fxfuse.rope
 
     cos, sin = _per_channel(graph, ms[0])

@@ -52,7 +52,7 @@ def check(m) -> str | None:
     return None
 
 
-def lower(m, graph: fx.Graph) -> fx.Node:
+def lower(m, graph: fx.Graph, opts) -> fx.Node:
     import fxfuse.kernels.swiglu  # noqa: F401  registers torch.ops.fxfuse.swiglu
 
     return graph.call_function(torch.ops.fxfuse.swiglu.default, (m.inputs["gate"], m.inputs["up"], m.consts["act"]))

@@ -117,7 +117,7 @@ def test_unsupported_dtype_stays_unfused_and_correct():
 def test_lowering_error_is_fail_safe():
     from fxfuse.patterns import rms_norm
 
-    def broken(m, graph):
+    def broken(m, graph, opts):
         graph.call_function(torch.ops.aten.neg.default, (m.inputs["x"],))  # partial work is rolled back
         raise RuntimeError("kernel says no")
 

@@ -178,8 +178,8 @@ def test_loss_head_option_selects_the_fast_algorithm_with_parity():
         return gm
 
     torch.compile(hf_model("llama"), backend=capture)(**inputs)
-    for opts, want in (({"loss_head": "fast"}, ("fast",)), ({"loss_head": "lean"}, ()), ({}, ("fast",)),
-                       ({"inner": "aot_eager"}, ()), ({"inner": "aot_eager", "loss_head": "fast"}, ("fast",))):
+    for opts, want in (({"loss_head": "fast"}, ("fast",)), ({"loss_head": "lean"}, ("lean",)), ({}, ("fast",)),
+                       ({"inner": "aot_eager"}, ("lean",)), ({"inner": "aot_eager", "loss_head": "fast"}, ("fast",))):
         gm, _ = transform(captured["gm"], captured["ex"], Options.parse(opts))  # default 'auto': fast under inductor
         (call,) = [n for n in gm.graph.nodes if str(n.target) == "fxfuse.linear_cross_entropy.default"]
         assert tuple(call.args[9:]) == want
