@@ -78,10 +78,22 @@ def is_noop_cast(n: fx.Node) -> bool:
     return src is not None and out is not None and src.dtype == out.dtype and src.device == out.device
 
 
+class _Edge:
+    """The literal slot of an argument that is an FX node (an edge of the view graph, not a literal):
+    distinct from a None literal, so a pattern literal (eps) never matches a value computed in the
+    graph (an unspecialised float under dynamic=True arrives as one)."""
+
+    def __repr__(self):
+        return "<node>"
+
+
+EDGE = _Edge()
+
+
 def _lit(a):
-    """A hashable literal; FX nodes become None (they are edges, not literals)."""
+    """A hashable literal; FX nodes become EDGE (they are edges, not literals)."""
     if isinstance(a, fx.Node):
-        return None
+        return EDGE
     if isinstance(a, (list, tuple)):
         return tuple(_lit(x) for x in a)
     if isinstance(a, torch.SymInt):
@@ -196,20 +208,20 @@ def _canon(n: fx.Node):
         out = val(n)
         return "cast", (dtype_class(out.dtype) if out is not None else "?",), [("0", n.args[0])], [n]
     if t == aten.mul.Tensor and n.args[0] is n.args[1]:
-        return str(aten.pow.Tensor_Scalar), (None, 2), [("0", n.args[0])], [n]
+        return str(aten.pow.Tensor_Scalar), (EDGE, 2), [("0", n.args[0])], [n]
     if t == aten.pow.Tensor_Scalar and n.args[1] == -0.5:
-        return str(aten.rsqrt.default), (None,), [("0", n.args[0])], [n]
+        return str(aten.rsqrt.default), (EDGE,), [("0", n.args[0])], [n]
     if t == aten.div.Tensor and _is_divisor_sqrt(n.args[1]):
-        return str(aten.mul.Tensor), (None, None), [("0", n.args[0]), ("1", n.args[1])], [n]
+        return str(aten.mul.Tensor), (EDGE, EDGE), [("0", n.args[0]), ("1", n.args[1])], [n]
     if t == aten.sqrt.default and _is_divisor_sqrt(n):
-        return str(aten.rsqrt.default), (None,), [("0", n.args[0])], [n]
+        return str(aten.rsqrt.default), (EDGE,), [("0", n.args[0])], [n]
     if t == aten.div.Tensor and isinstance(n.args[0], fx.Node) and n.args[0].target == aten.sum.dim_IntList \
             and len(n.args[0].users) == 1 and _summed_numel(n.args[0]) == n.args[1]:
         s = n.args[0]
         x = val(s.args[0])
         dims = _neg(s.args[1], x.dim())
         keep = s.args[2] if len(s.args) > 2 else s.kwargs.get("keepdim", False)
-        return str(aten.mean.dim), (None, dims, keep), [("0", s.args[0])], [s, n]
+        return str(aten.mean.dim), (EDGE, dims, keep), [("0", s.args[0])], [s, n]
     args, kwargs = _with_defaults(n)
     lits = [_lit(a) for a in args] + [(k, _lit(v)) for k, v in sorted(kwargs.items())]
     return str(t), tuple(shape_literals(n, lits)), _tensor_args(n), [n]

@@ -16,7 +16,7 @@ import networkx as nx
 import torch.fx as fx
 from networkx.algorithms.isomorphism import MultiDiGraphMatcher
 
-from .canon import VNode, build_view
+from .canon import EDGE, VNode, build_view
 from .pattern import Free, Pattern, PatternGraph, Variant, is_sentinel, trace_variant
 
 
@@ -48,6 +48,8 @@ def _lits_match(p, t) -> bool:
     if isinstance(p, Free):
         return True
     if is_sentinel(p):
+        if t is EDGE:  # a value computed in the graph: matched, then refused with a reason (_match_at)
+            return True
         if isinstance(p, int):
             return isinstance(t, int) and not isinstance(t, bool)
         return t is None or isinstance(t, (int, float)) and not isinstance(t, bool)
@@ -171,6 +173,12 @@ class GraphMatcher:
                     "is not); fusing would change what is recomputed")
                 continue
             scalars = {s.name if isinstance(s, Free) else pg.scalars[s]: v for s, v in binds.items()}
+            computed = [k for k, v in scalars.items() if v is EDGE]
+            if computed:
+                first_reason = first_reason or (
+                    f"{computed[0]} is a value computed in the graph, not a constant (a Python float that "
+                    "dynamic=True turned into a graph input, say); the fused op needs it at compile time")
+                continue
             return Match(pattern, pg.variant, out, inputs, scalars, region, escapes), None, region
         return None, first_reason, first_region
 

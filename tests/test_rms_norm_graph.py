@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxfuse
-from helpers import batch, compiled_parity, count_calls, hf_model, is_rms_norm
+from helpers import batch, compiled_parity, count_calls, hf_model, is_rms_norm, rel_err
 
 FP32_TOL = 1e-5
 HF_TYPES = ["llama", "mistral", "qwen2", "phi3", "gemma", "qwen3"]
@@ -140,3 +140,21 @@ def test_near_miss_reported_with_reason(shared, dtype):
     # still correct when compiled: the site stays unfused
     out = torch.compile(model, backend="fxfuse", options={"inner": "eager"})(x)
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+
+
+def test_eps_computed_in_the_graph_is_not_fused_with_a_default():
+    """Under dynamic=True a Python float argument becomes a graph input: eps is then a value in the
+    graph, not a literal. The site must stay unfused with that reason (it once matched as if eps
+    were absent and was lowered with the default eps), and each call uses its own eps."""
+    def f(x, w, eps):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    x, w = torch.randn(3, 16), torch.rand(16) + 0.5
+    n0 = len(fxfuse.compiled_reports())
+    compiled = torch.compile(f, backend="fxfuse", options={"inner": "aot_eager"}, dynamic=True)
+    for eps in (1e-3, 0.5):
+        assert rel_err(compiled(x, w, eps), f(x, w, eps)) < 1e-6, eps
+    report = fxfuse.Report.merge(fxfuse.compiled_reports()[n0:])
+    assert report.counts()["rms_norm"] == 0
+    assert any("eps is a value computed in the graph" in (s.reason or "") for s in report.unmatched), str(report)
