@@ -27,6 +27,8 @@ Data: synthetic tokens by default, ``--synthetic uniform`` (nothing to learn: ne
 steps follow gradient noise, and bf16 rounding differences between modes grow into loss spikes at
 different steps) or ``--synthetic zipf`` (token frequencies ~ 1/rank, as in text: a loss that keeps
 falling); ``--tokens FILE`` for real data. ``--lr-warmup N``: linear warm-up over the first N steps.
+``--autocast bfloat16``: fp32 master weights, forward under bf16 autocast (HF Trainer's bf16=True).
+``--checkpointing``: activation checkpointing of every decoder layer, in every mode.
 
 ``--fxfuse-option KEY=VALUE`` (repeatable) passes more backend options to the fxfuse mode, e.g.
 ``--fxfuse-option loss_head=fast``; the table's header and audit.json's args show them.
