@@ -214,3 +214,22 @@ def test_dynamic_shapes_with_checkpointing():
     eps_misses = [s for s in report.unmatched if "eps is a value computed in the graph" in (s.reason or "")]
     assert {s.module for s in eps_misses} >= {f"model.layers.{i}.{n}" for i in (0, 1)
                                                for n in ("input_layernorm", "post_attention_layernorm")}
+
+
+def test_inlining_is_the_inner_compilers_own_checkpointing():
+    """With dropout inside the checkpointed layers (random ops recomputed in backward), fxfuse with
+    no pattern on gives bit for bit the loss and gradients of aot_eager's own handling of the
+    checkpoint calls: the inlined, tagged regions are what AOTAutograd builds from them."""
+    out = {}
+    for name, backend, options in (("aot_eager", "aot_eager", {}),
+                                   ("fxfuse", "fxfuse", {"options": {"inner": "aot_eager", "patterns": [],
+                                                                     "causal_attention": False}})):
+        torch._dynamo.reset()
+        model = hf_model("llama", num_hidden_layers=2, attention_dropout=0.2)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        compiled = torch.compile(model, backend=backend, **options)
+        torch.manual_seed(0)
+        out[name] = loss_and_grads(model, batch(), call=compiled)
+    (ref_loss, ref), (loss, grads) = out["aot_eager"], out["fxfuse"]
+    assert torch.equal(loss, ref_loss) and all(torch.equal(grads[k], ref[k]) for k in ref)
