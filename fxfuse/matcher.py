@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
+import torch
 import torch.fx as fx
 from networkx.algorithms.isomorphism import MultiDiGraphMatcher
 
@@ -137,6 +138,27 @@ class GraphMatcher:
             grown = bool(extra)
         return region
 
+    def _specialize(self, binds: dict, mapping: dict, pvn: dict) -> None:
+        """A captured scalar that is a value in the graph (EDGE) whose traced value is a symbolic
+        float or int (HF's eps under dynamic=True: an unspecialised Python float Dynamo made a graph
+        input) becomes its value, with a guard: float() on the symbol records it in Dynamo's shape
+        environment, so a call with another value recompiles instead of reusing this graph. Values
+        with no such hint (data-dependent, tensors) stay EDGE and the match is refused."""
+        for sentinel in [k for k, v in binds.items() if v is EDGE]:
+            for g, p in mapping.items():
+                node = self.nodes[g]
+                for i, lit in enumerate(pvn[p].lits):
+                    if lit != sentinel or i >= len(node.args) or not isinstance(node.args[i], fx.Node):
+                        continue
+                    value = node.args[i].meta.get("val")
+                    try:
+                        if isinstance(value, torch.SymFloat):
+                            binds[sentinel] = float(value)
+                        elif isinstance(value, torch.SymInt):
+                            binds[sentinel] = int(value)
+                    except Exception:  # noqa: BLE001 - data-dependent: no value to specialise on
+                        pass
+
     def _match_at(self, pattern: Pattern, pg: PatternGraph, anchor: str):
         """(Match, None, region) on success; (None, reason, region) for a structural match that fails
         a check; (None, None, set()) when the structure does not match."""
@@ -172,6 +194,7 @@ class GraphMatcher:
                     "spans an activation-checkpoint boundary (part of it is recomputed in backward, part "
                     "is not); fusing would change what is recomputed")
                 continue
+            self._specialize(binds, mapping, pvn)
             scalars = {s.name if isinstance(s, Free) else pg.scalars[s]: v for s, v in binds.items()}
             computed = [k for k, v in scalars.items() if v is EDGE]
             if computed:
