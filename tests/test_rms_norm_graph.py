@@ -153,6 +153,7 @@ def test_eps_computed_in_the_graph_is_specialised_with_a_guard():
         xf = x.float()
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
+    counters.clear()  # unique_graphs counts every test's compiles otherwise
     x, w = 0.01 * torch.randn(3, 16), torch.rand(16) + 0.5
     n0 = len(fxfuse.compiled_reports())
     compiled = torch.compile(f, backend="fxfuse", options={"inner": "aot_eager"}, dynamic=True)
