@@ -101,8 +101,8 @@ def main() -> None:
     peak = torch.tensor(0.0 if args.smoke else torch.cuda.max_memory_allocated() / 2**30, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(f"{args.impl}{' + AC' if args.checkpointing else ''}, {1e3 * statistics.median(times):.1f} ms/step, {peak.item():.2f} GiB/GPU, "
-              f"loss {loss.item():.4f}")
+        print(f"{args.impl}{' + AC' if args.checkpointing else ''}, {1e3 * statistics.median(times):.1f} ms/step, "
+              f"{peak.item():.2f} GiB/GPU, loss {loss.item():.4f}")
         if args.impl == "fxfuse":
             print(fxfuse.patch_report(model))
     dist.destroy_process_group()

@@ -175,7 +175,8 @@ def render(audit: dict) -> str:
     warm = f" (linear warm-up over {a['lr_warmup']} steps)" if a.get("lr_warmup") else ""
     data = "tokens " + a["tokens"] if a["tokens"] else f"synthetic tokens ({a.get('synthetic', 'uniform')})"
     lines = [f"fxfuse audit: {a['model']}{' (tiny)' if a['tiny'] else ''}, batch {a['batch']} x seq {a['seq']}, "
-             f"{a['steps']} steps (median after {a['warmup']} warm-up), {a['dtype']}{amp}{ckpt} on {audit['env']['device']}, "
+             f"{a['steps']} steps (median after {a['warmup']} warm-up), {a['dtype']}{amp}{ckpt} "
+             f"on {audit['env']['device']}, "
              f"AdamW lr {a['lr']}{warm}, seed {a['seed']}, {data}, "
              f"fxfuse options: {options_text(a)}",
              f"memory: {mem}; target-op share: fraction of profiled step time in rms_norm/rope/swiglu/"

@@ -73,7 +73,7 @@ def _inline(root: fx.GraphModule, call: fx.Node, region: int, policy) -> None:
             elif bn.op == "output":
                 result = fx.node.map_arg(bn.args[0], lambda a: env[a])
             elif bn.op == "get_attr":  # a constant or a nested region's body: carried over to the root
-                name, value = f"_ac{region}_{bn.target.replace('.', '_')}", _attr(body, bn.target)
+                name, value = f"_ac{region}_{bn.target.replace('.', '_')}", operator.attrgetter(bn.target)(body)
                 if isinstance(value, torch.nn.Module):
                     root.add_submodule(name, value)
                 else:
@@ -92,9 +92,3 @@ def _inline(root: fx.GraphModule, call: fx.Node, region: int, policy) -> None:
     if call.users:  # the whole output used as one value
         call.replace_all_uses_with(result)
     root.graph.erase_node(call)
-
-
-def _attr(mod: fx.GraphModule, target: str):
-    for part in target.split("."):
-        mod = getattr(mod, part)
-    return mod

@@ -57,9 +57,8 @@ def check_retraceable(gm: fx.GraphModule) -> None:
 
 def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     """Re-trace Dynamo's graph to pre-dispatch ATen; keeps Dynamo's graph and placeholder metadata.
-    Activation-checkpointed regions are inlined with their recompute tags (checkpoint.py); their
-    number is ``aten_gm.meta["fxfuse_checkpoint_regions"]``."""
-    source, regions = inline_checkpoints(gm)
+    Activation-checkpointed regions are inlined with their recompute tags first (checkpoint.py)."""
+    source, _ = inline_checkpoints(gm)
     check_retraceable(source)
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     fakes = _fakify(gm, example_inputs, fake_mode)
@@ -72,7 +71,6 @@ def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     aten_gm.graph.eliminate_dead_code()  # make_fx leaves dead aten.detach nodes
     aten_gm.recompile()
     aten_gm.meta.update(gm.meta)
-    aten_gm.meta["fxfuse_checkpoint_regions"] = regions
     if hasattr(gm, "_param_name_to_source"):
         # tensor constants the re-trace lifted (a KV cache's initial tensors) need a source too
         from torch._dynamo.source import ConstantSource
