@@ -1,9 +1,12 @@
 """Benchmark of fxfuse.linear_cross_entropy (lm_head + cross-entropy), fwd+bwd, against eager,
 Inductor and Liger; fxfuse's two algorithms side by side ("fxfuse": the default 4-matmul "lean"
-one; "fxfuse-fast": the 3-matmul "fast" one, option loss_head="fast").
+one; "fxfuse-fast": the 3-matmul "fast" one, option loss_head="fast"), and the time floor of any
+implementation: "matmuls", the three cuBLAS matmuls alone at full size, and "matmuls-passes", the same
+split into the fast algorithm's passes of R rows (no loss, no softmax: the time that is not matmul
+is the difference to these rows).
 
     python bench/bench_linear_cross_entropy.py [--shapes 8192x4096x128256] [--dtype bfloat16]
-        [--label-smoothing 0.1] [--softcap 30] [--bias] [--frozen-weight]
+        [--label-smoothing 0.1] [--softcap 30] [--bias] [--frozen-weight] [--fast-rows 512 2048]
 
 Each case (NxHxV) times ``loss = f(x, W, b, target)`` and ``torch.autograd.grad`` of x, W (and b),
 and reports ms, TFLOP/s from ``lce_flops`` (the three matmuls any implementation needs;
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import PROVIDERS, Row, bench_ms, copy_ceiling_gbps, have_liger, peak_extra_mib, print_table  # noqa: E402
 
 DEFAULT_SHAPES = ("8192x4096x128256", "16384x2048x32000")
-LCE_PROVIDERS = (*PROVIDERS, "fxfuse-fast")  # "fxfuse" runs the default algorithm, "lean"
+LCE_PROVIDERS = (*PROVIDERS, "fxfuse-fast", "matmuls", "matmuls-passes")  # "fxfuse" = algorithm "lean"
 IGNORE_INDEX = -100
 
 
@@ -43,6 +47,33 @@ def lce_flops(n: int, h: int, v: int, frozen_weight: bool = False) -> int:
 def floor_mib(n: int, h: int, v: int, element_size: int, frozen_weight: bool = False) -> float:
     """The unavoidable extra memory of fwd+bwd: the gradients dx and dW themselves."""
     return (n * h + (0 if frozen_weight else v * h)) * element_size / 2**20
+
+
+def _fast_rows(n: int, v: int, element_size: int) -> int:
+    """Rows per pass of the fast algorithm at this shape (its own rule, or --fast-rows)."""
+    from fxfuse.kernels.linear_cross_entropy_fast import _fast_rows_per_pass
+
+    return _fast_rows_per_pass(n, v, element_size)
+
+
+def _matmul_step(x, w, rows: int):
+    """The three matmuls of fwd+bwd alone, over passes of `rows` rows: z = x @ W.T, dx = z @ W,
+    dW (+)= z.T @ x (z stands in for the logits' gradient): the floor of any implementation."""
+    n = x.shape[0]
+    z = torch.empty(min(rows, n), w.shape[0], device=x.device, dtype=x.dtype)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+
+    def step():
+        for n0 in range(0, n, rows):
+            xs = x[n0:n0 + rows]
+            zs = z[:xs.shape[0]]
+            torch.mm(xs, w.T, out=zs)
+            torch.mm(zs, w, out=dx[n0:n0 + rows])
+            if n0 == 0:
+                torch.mm(zs.T, xs, out=dw)
+            else:
+                dw.addmm_(zs.T, xs)
+    return step
 
 
 def _liger_fn(args):
@@ -114,26 +145,55 @@ def run(args) -> list[Row]:
     for shape in args.shapes:
         n, h, v = (int(s) for s in shape.lower().split("x"))
         es = torch.empty((), dtype=dtype).element_size()
-        case = f"lce {n}x{h}x{v} {args.dtype}"
-        nbytes = lce_bytes(n, h, v, es, args.bias, args.frozen_weight)
-        flops = lce_flops(n, h, v, args.frozen_weight)
-        print(f"{case}: floor (dW + dx) {floor_mib(n, h, v, es, args.frozen_weight):.0f} MiB", flush=True)
+        case = Case(f"lce {n}x{h}x{v} {args.dtype}", n, h, v, dtype, ceiling)
+        print(f"{case.name}: floor (dW + dx) {floor_mib(n, h, v, es, args.frozen_weight):.0f} MiB", flush=True)
         for provider in args.providers:
-            fn, note = _provider_fn(provider, args)
-            if fn is None:
-                rows.append(Row(case, provider, None, note=note))
-                continue
-            err = _max_rel_err(fn, n, h, v, dtype, args)
-            x, w, b, t = _inputs(n, h, v, dtype, args)
-            step = lambda: _fwd_bwd(fn, x, w, b, t)  # noqa: E731
-            ms = bench_ms(step)
-            gbps = nbytes / ms / 1e6
-            note = f"{flops / ms / 1e9:.0f} TFLOP/s"
-            rows.append(Row(case, provider, ms, gbps, 100 * gbps / ceiling, peak_extra_mib(step), err, note))
-            del x, w, b, t, step
-            torch.cuda.empty_cache()
+            rows.append(_provider_row(case, provider, args))
+        for fast_rows in args.fast_rows or ():  # the fast algorithm's pass size swept (memory vs time)
+            rows.append(_provider_row(case, "matmuls-passes", args, fast_rows))
+            rows.append(_provider_row(case, "fxfuse-fast", args, fast_rows))
     print_table(rows)
     return rows
+
+
+@dataclass
+class Case:
+    name: str
+    n: int
+    h: int
+    v: int
+    dtype: torch.dtype
+    ceiling: float
+
+
+def _provider_row(case: Case, provider: str, args, fast_rows: int | None = None) -> Row:
+    """One provider timed on one case; fast_rows forces the fast algorithm's rows per pass."""
+    from fxfuse.kernels import linear_cross_entropy as lean
+
+    n, h, v = case.n, case.h, case.v
+    nbytes = lce_bytes(n, h, v, torch.empty((), dtype=case.dtype).element_size(), args.bias, args.frozen_weight)
+    flops = lce_flops(n, h, v, args.frozen_weight)
+    label = provider if fast_rows is None else f"{provider} R={fast_rows}"
+    lean._CHUNK_OVERRIDE = None if fast_rows is None else (fast_rows, 4096, 4096)
+    try:
+        x, w, b, t = _inputs(n, h, v, case.dtype, args)
+        if provider.startswith("matmuls"):
+            passes = n if provider == "matmuls" else (fast_rows or _fast_rows(n, v, x.element_size()))
+            step, err = _matmul_step(x.detach(), w.detach(), passes), None
+            note = f"floor: cuBLAS matmuls only, {-(-n // passes)} pass(es) of {passes} rows"
+        else:
+            fn, note = _provider_fn(provider, args)
+            if fn is None:
+                return Row(case.name, label, None, note=note)
+            err = _max_rel_err(fn, n, h, v, case.dtype, args)
+            step = lambda: _fwd_bwd(fn, x, w, b, t)  # noqa: E731
+        ms = bench_ms(step)
+        gbps = nbytes / ms / 1e6
+        note = f"{flops / ms / 1e9:.0f} TFLOP/s" + (f", {note}" if note else "")
+        return Row(case.name, label, ms, gbps, 100 * gbps / case.ceiling, peak_extra_mib(step), err, note)
+    finally:
+        lean._CHUNK_OVERRIDE = None
+        torch.cuda.empty_cache()
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -145,6 +205,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bias", action="store_true", help="lm_head with a bias [V]")
     parser.add_argument("--frozen-weight", action="store_true", help="W.requires_grad = False (no dW)")
     parser.add_argument("--providers", nargs="+", default=list(LCE_PROVIDERS), choices=LCE_PROVIDERS)
+    parser.add_argument("--fast-rows", type=int, nargs="+", default=None,
+                        help="also time fxfuse-fast (and matmuls-passes) at these rows per pass")
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ import os
 import sys
 
 from fxfuse.audit import _finish, add_arguments, options_text, run_audit
+from fxfuse.audit_compare import render_lines
 
 CASES = {"llama-1b": (4, 2048), "qwen2-1.5b": (4, 2048), "gemma2-2b": (2, 2048)}  # batch, seq (DESIGN.md)
 GIB = 2**30 / 2**20  # MiB per GiB
@@ -48,8 +49,9 @@ def markdown(audit: dict) -> str:
             f"{f(audit['fit'].get(mode, {}).get('batch', {}).get('largest'), 'd')} | "
             f"{f(prof['target_share'] * 100 if prof else None, '.1f')} | "
             f"{f(audit['divergence'].get(mode, {}).get('max_abs'), '.2e')} | {r.get('status', '')} |")
-    if audit.get("pairwise"):
-        lines += ["", "max |dloss| between modes: " + ", ".join(f"{k} {v:.2e}" for k, v in audit["pairwise"].items())]
+    compared = render_lines(audit)  # between modes, eager's own spread (eager-rerun), --reference
+    if compared:
+        lines += ["", *compared]
     fx = audit["modes"].get("fxfuse") or {}
     if fx.get("removed") is not None:
         lines += ["", f"fxfuse fused {fx['report']['counts']}, {len(fx['report']['unmatched'])} unmatched; "

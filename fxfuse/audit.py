@@ -21,6 +21,11 @@ state, compiled code or warm caches. The parent prints one table and writes ``au
   probe in its own process (each recompiles);
 - the share of step time in the target ops (torch.profiler; attribution rule in audit_profile.py);
 - the loss curve of every mode, its largest divergence from eager's, and between the other modes;
+  mode ``eager-rerun`` trains eager again (eager is not bit-reproducible on CUDA: its own spread is
+  the noise floor of "within X of eager"), ``--reference AUDIT_JSON`` compares every curve to an
+  earlier run's eager one at another precision (fxfuse/audit_compare.py); mode ``eager-fp32-head``
+  is eager with the lm_head output upcast to fp32 before the model's logit ops (the fused heads'
+  numerics: tells a loss-head rounding difference from the rest);
 - fxfuse's report and the saved activations it removed, per pattern, largest first.
 
 Data: synthetic tokens by default, ``--synthetic uniform`` (nothing to learn: near ln(vocab) the
@@ -47,6 +52,7 @@ import sys
 import tempfile
 import time
 
+from .audit_compare import divergence, load_reference, pairwise_divergence, reference_divergence, render_lines
 from .audit_memory import render as render_peak
 from .audit_plot import plot_png
 from .audit_worker import MODES, PRESETS, SYNTHETIC, fxfuse_options, search_largest
@@ -136,29 +142,6 @@ def fit_search(args, mode: str) -> dict:
     return out
 
 
-def pairwise_divergence(results: dict) -> dict:
-    """"a vs b" -> the largest |loss difference| between every two non-eager modes: when every mode
-    leaves eager's bf16 curve by the same amount, this shows whether they agree with each other."""
-    curves = {m: r["losses"] for m, r in results.items() if m != "eager" and r.get("losses")}
-    names = list(curves)
-    return {f"{a} vs {b}": max(abs(x - y) for x, y in zip(curves[a], curves[b]))
-            for i, a in enumerate(names) for b in names[i + 1:]}
-
-
-def divergence(results: dict) -> dict:
-    """Per mode: the largest |loss - eager loss| over the steps both ran, absolute and relative."""
-    ref = (results.get("eager") or {}).get("losses")
-    out = {}
-    for mode, r in results.items():
-        if not ref or not r.get("losses"):
-            continue
-        pairs = list(zip(r["losses"], ref))
-        absd = [abs(a - b) for a, b in pairs]
-        i = max(range(len(absd)), key=absd.__getitem__)
-        out[mode] = {"max_abs": absd[i], "max_rel": absd[i] / max(abs(pairs[i][1]), 1e-30), "at_step": i + 1}
-    return out
-
-
 def _f(v, fmt: str) -> str:
     """format(v, fmt), or "-" padded to the same width when v is missing."""
     width = int("".join(c for c in fmt.split(".")[0] if c.isdigit()) or 0)
@@ -181,14 +164,14 @@ def render(audit: dict) -> str:
              f"fxfuse options: {options_text(a)}",
              f"memory: {mem}; target-op share: fraction of profiled step time in rms_norm/rope/swiglu/"
              f"linear_cross_entropy ops (rule: fxfuse/audit_profile.py)"]
-    head = (f"{'mode':9} {'step ms':>9} {'tokens/s':>10} {'peak alloc':>11} {'reserved':>9} {'max batch':>9} "
+    head = (f"{'mode':11} {'step ms':>9} {'tokens/s':>10} {'peak alloc':>11} {'reserved':>9} {'max batch':>9} "
             f"{'max seq':>8} {'target %':>8} {'max|dloss|':>10} {'final loss':>10}  status")
     lines += [head, "-" * len(head)]
     for mode, r in results.items():
         fr = fit.get(mode, {})
         prof = r.get("profile") or {}
         lines.append(
-            f"{mode:9} {_f(r.get('step_time_ms'), '9.2f')} {_f(r.get('tokens_per_s'), '10.0f')} "
+            f"{mode:11} {_f(r.get('step_time_ms'), '9.2f')} {_f(r.get('tokens_per_s'), '10.0f')} "
             f"{_f(r.get('peak_allocated_mib'), '11.1f')} {_f(r.get('peak_reserved_mib'), '9.1f')} "
             f"{_f(fr.get('batch', {}).get('largest'), '9d')} {_f(fr.get('seq', {}).get('largest'), '8d')} "
             f"{_f(prof['target_share'] * 100 if 'target_share' in prof else None, '8.1f')} "
@@ -211,14 +194,12 @@ def render(audit: dict) -> str:
             lines.append(f"  its fxfuse graphs: fused {rep['counts']}" + (
                 f", causal attention at {sum(not x['reason'] for x in att)}/{len(att)} SDPA calls"
                 + (f" ({'; '.join(why)})" if why else "") if att else ""))
-    pairs = audit.get("pairwise") or {}
-    if pairs:
-        lines.append("max |dloss| between modes: " + ", ".join(f"{k} {v:.2e}" for k, v in pairs.items()))
+    lines += render_lines(audit)
     n = a["show_losses"]
     lines.append(f"\nloss curve, first {n} steps:")
     for mode, r in results.items():
         if r.get("losses"):
-            lines.append(f"  {mode:9} " + " ".join(f"{v:.4f}" for v in r["losses"][:n]))
+            lines.append(f"  {mode:11} " + " ".join(f"{v:.4f}" for v in r["losses"][:n]))
     for mode, r in results.items():
         prof = r.get("profile") or {}
         if prof:
@@ -255,6 +236,7 @@ def run_audit(args) -> dict:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"fxfuse audit: unknown mode(s) {bad}; valid: {MODES}")
+    reference = load_reference(args.reference, vars(args)) if args.reference else None  # fail before the runs
     os.makedirs(args.out, exist_ok=True)
     env = {"torch": torch.__version__, "python": sys.version.split()[0], "device": args.device,
            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -271,6 +253,8 @@ def run_audit(args) -> dict:
     audit = {"args": vars(args) | {"fn": None}, "env": env, "modes": results, "divergence": divergence(results),
              "pairwise": pairwise_divergence(results),
              "fit": fit}
+    if reference:
+        audit["reference"] = {**reference, "divergence": reference_divergence(results, reference)}
     audit["table"] = render(audit)
     mem_label = "peak allocated MiB per step" if args.device.startswith("cuda") else "RSS MiB after each step"
     audit["png"] = plot_png(results, os.path.join(args.out, "audit.png"), mem_label)
@@ -345,6 +329,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-search", type=int, default=32768, help="sequence search cap (0: skip)")
     p.add_argument("--mem-limit-gib", type=float, default=None, help="CUDA memory cap for every mode")
     p.add_argument("--timeout", type=float, default=None, help="seconds per worker process")
+    p.add_argument("--reference", default=None, metavar="AUDIT_JSON",
+                   help="an earlier audit.json of the same run (model, seed, data, lr) at another precision, e.g. "
+                        "--dtype float32 --compare eager: every mode's loss curve is also compared to its eager one")
     p.add_argument("--show-losses", type=int, default=10, help="loss-curve steps printed in the table")
     p.add_argument("--out", default="fxfuse_audit", help="folder for audit.json, audit.txt, audit.png")
 

@@ -2,7 +2,7 @@
 
 SPEC is a dict written by the parent (fxfuse/audit.py): ``job`` ("run": the timed training run;
 "fit": does one (batch, seq) train at all; "fit_batch": the whole largest-batch search in this one
-process, see ``fit_batch``), ``mode`` (eager | inductor | liger | fxfuse), the model spec and config
+process, see ``fit_batch``), ``mode`` (one of MODES), the model spec and config
 overrides, dtype, device, batch, seq, steps, warmup, lr, seed, token file, profile_steps,
 fxfuse_inner, fxfuse_logits, fxfuse_options (more backend options), mem_limit_gib, max_batch_search
 and fit_shapes (fit_batch). Every mode builds the same model from the same seed, sees
@@ -41,7 +41,9 @@ PRESETS = {
                                  query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
                                  attn_logit_softcapping=50.0, max_position_embeddings=8192)),
 }
-MODES = ("eager", "inductor", "liger", "fxfuse")
+# eager-rerun: eager again (its own run-to-run spread); eager-fp32-head: eager with the lm_head output
+# upcast to fp32 before the model's softcap / scale / loss (the numerics of fused loss heads)
+MODES = ("eager", "inductor", "liger", "fxfuse", "eager-rerun", "eager-fp32-head")
 
 
 def device_index(device: str, current) -> int:
@@ -165,7 +167,10 @@ def fxfuse_options(spec: dict) -> dict:
 def prepare(mode: str, model, options: dict):
     """The callable that runs ``model`` in ``mode``; liger patches the model in place (eager);
     fxfuse compiles with ``options`` (fxfuse_options)."""
-    if mode == "eager":
+    if mode in ("eager", "eager-rerun"):
+        return model
+    if mode == "eager-fp32-head":
+        model.get_output_embeddings().register_forward_hook(_upcast_output)
         return model
     if mode == "inductor":
         return torch.compile(model)
@@ -179,6 +184,14 @@ def prepare(mode: str, model, options: dict):
         _apply_liger_kernel_to_instance(model=model)
         return model
     raise ValueError(f"unknown mode {mode!r}; valid: {MODES}")
+
+
+def _upcast_output(module, args, output):
+    """lm_head hook of eager-fp32-head: the logits in fp32 from the matmul's output on, so the model's
+    own logit ops (Gemma 2's softcap tanh(z / c) * c) run in fp32 instead of rounding to bf16 after
+    each op. Fused heads (fxfuse's, Liger's) compute those ops in fp32; this mode tells that
+    rounding difference apart from everything else when a bf16 curve leaves eager's."""
+    return output.float()
 
 
 class ModeUnavailable(RuntimeError):
