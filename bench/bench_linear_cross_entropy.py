@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -156,8 +156,7 @@ def run(args) -> list[Row]:
     return rows
 
 
-@dataclass
-class Case:
+class Case(NamedTuple):
     name: str
     n: int
     h: int

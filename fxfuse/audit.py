@@ -55,7 +55,8 @@ import time
 from .audit_compare import divergence, load_reference, pairwise_divergence, reference_divergence, render_lines
 from .audit_memory import render as render_peak
 from .audit_plot import plot_png
-from .audit_worker import MODES, PRESETS, SYNTHETIC, fxfuse_options, search_largest
+from .audit_fit import search_largest
+from .audit_worker import MODES, PRESETS, SYNTHETIC, fxfuse_options
 
 MIB = 2**20
 
@@ -102,7 +103,7 @@ def options_text(a: dict) -> str:
 
 def batch_search(args, mode: str) -> dict:
     """Largest batch at --seq for one mode: one worker process (job fit_batch) builds and compiles the
-    model once and probes every batch in-process, batch dimension dynamic (audit_worker.fit_batch)."""
+    model once and probes every batch in-process, batch dimension dynamic (audit_fit.fit_batch)."""
     cap = args.max_batch_search
     spec = {**_base_spec(args), "job": "fit_batch", "mode": mode, "max_batch_search": cap}
     r = run_worker(spec, args.timeout)

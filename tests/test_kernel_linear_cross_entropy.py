@@ -318,7 +318,7 @@ def test_gpu_bf16_vs_fp64(monkeypatch, algo):
         assert _rel(g, r) <= 2 * _rel(e, r), name
 
 
-def test_bench_counts():
+def test_bench_counts(monkeypatch):
     """The benchmark imports on CPU; its byte and FLOP counts match hand counts at the target shape."""
     import importlib.util
     import pathlib
@@ -331,4 +331,7 @@ def test_bench_counts():
     assert bench.lce_bytes(n, h, v, 2) == 2 * 2 * (n * h + v * h) + 8 * n
     assert bench.lce_flops(n, h, v) == 3 * 2 * n * h * v
     assert round(bench.floor_mib(n, h, v, 2)) == 1066
-    assert {"fxfuse", "fxfuse-fast"} <= set(bench.LCE_PROVIDERS)
+    assert {"fxfuse", "fxfuse-fast", "matmuls", "matmuls-passes"} <= set(bench.LCE_PROVIDERS)
+    monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", None)  # this file's fixture forces small chunks
+    assert bench._fast_rows(n, v, 2) == 1024  # the fast algorithm's own pass size at the target shape
+    bench._matmul_step(torch.randn(10, 8), torch.randn(30, 8), 4)()  # the floor's three matmuls, 3 passes
