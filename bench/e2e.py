@@ -36,14 +36,16 @@ def markdown(audit: dict) -> str:
              f"AdamW lr {a['lr']}" + (f" warm-up {a['lr_warmup']} steps" if a.get("lr_warmup") else "")
              + (f", fxfuse options: {options_text(a)}" if "fxfuse" in audit["modes"] else ""),
              "",
-             f"| mode | step ms | tokens/s | {mem} | max batch | target-op % | max abs loss diff vs eager | status |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"| mode | first step s | step ms | tokens/s | {mem} | max batch | target-op % "
+             "| max abs loss diff vs eager | status |",
+             "|---|---|---|---|---|---|---|---|---|"]
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     for mode, r in audit["modes"].items():
         prof = r.get("profile") or {}
         reserved = r.get("peak_reserved_mib")
         lines.append(
-            f"| {mode} | {f(r.get('step_time_ms'), '.1f')} | {f(r.get('tokens_per_s'), '.0f')} | "
+            f"| {mode} | {f(r['step_times_s'][0] if r.get('step_times_s') else None, '.1f')} | "
+            f"{f(r.get('step_time_ms'), '.1f')} | {f(r.get('tokens_per_s'), '.0f')} | "
             f"{f(r['peak_allocated_mib'] / GIB if r.get('peak_allocated_mib') else None, '.2f')} | "
             f"{f(reserved / GIB if reserved else None, '.2f')} | "
             f"{f(audit['fit'].get(mode, {}).get('batch', {}).get('largest'), 'd')} | "

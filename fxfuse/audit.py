@@ -61,9 +61,14 @@ from .audit_worker import MODES, PRESETS, SYNTHETIC, fxfuse_options
 MIB = 2**20
 
 
-def run_worker(spec: dict, timeout: float | None = None) -> dict:
-    """Run one worker process on ``spec`` and return its result dict (an error dict if it died)."""
+def run_worker(spec: dict, timeout: float | None = None, cold: bool = False) -> dict:
+    """Run one worker process on ``spec`` and return its result dict (an error dict if it died).
+    ``cold``: the worker gets empty Inductor and Triton cache folders, so it compiles from scratch."""
     with tempfile.TemporaryDirectory(prefix="fxfuse_audit_") as tmp:
+        env = None
+        if cold:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor"),
+                   "TRITON_CACHE_DIR": os.path.join(tmp, "triton")}
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
@@ -73,7 +78,7 @@ def run_worker(spec: dict, timeout: float | None = None) -> dict:
         except (AttributeError, OSError, ValueError):
             err = None
         try:
-            proc = subprocess.run(cmd, timeout=timeout, stdout=err)
+            proc = subprocess.run(cmd, timeout=timeout, stdout=err, env=env)
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -164,15 +169,17 @@ def render(audit: dict) -> str:
              f"AdamW lr {a['lr']}{warm}, seed {a['seed']}, {data}, "
              f"fxfuse options: {options_text(a)}",
              f"memory: {mem}; target-op share: fraction of profiled step time in rms_norm/rope/swiglu/"
-             f"linear_cross_entropy ops (rule: fxfuse/audit_profile.py)"]
-    head = (f"{'mode':11} {'step ms':>9} {'tokens/s':>10} {'peak alloc':>11} {'reserved':>9} {'max batch':>9} "
-            f"{'max seq':>8} {'target %':>8} {'max|dloss|':>10} {'final loss':>10}  status")
+             f"linear_cross_entropy ops (rule: fxfuse/audit_profile.py); 1st step: the first training step, "
+             f"compile included ({'empty compile caches per mode' if a.get('cold_compile') else 'caches as found'})"]
+    head = (f"{'mode':11} {'1st step s':>10} {'step ms':>9} {'tokens/s':>10} {'peak alloc':>11} {'reserved':>9} "
+            f"{'max batch':>9} {'max seq':>8} {'target %':>8} {'max|dloss|':>10} {'final loss':>10}  status")
     lines += [head, "-" * len(head)]
     for mode, r in results.items():
         fr = fit.get(mode, {})
         prof = r.get("profile") or {}
         lines.append(
-            f"{mode:11} {_f(r.get('step_time_ms'), '9.2f')} {_f(r.get('tokens_per_s'), '10.0f')} "
+            f"{mode:11} {_f(r['step_times_s'][0] if r.get('step_times_s') else None, '10.1f')} "
+            f"{_f(r.get('step_time_ms'), '9.2f')} {_f(r.get('tokens_per_s'), '10.0f')} "
             f"{_f(r.get('peak_allocated_mib'), '11.1f')} {_f(r.get('peak_reserved_mib'), '9.1f')} "
             f"{_f(fr.get('batch', {}).get('largest'), '9d')} {_f(fr.get('seq', {}).get('largest'), '8d')} "
             f"{_f(prof['target_share'] * 100 if 'target_share' in prof else None, '8.1f')} "
@@ -246,7 +253,7 @@ def run_audit(args) -> dict:
     results, fit = {}, {}
     for mode in modes:
         print(f"fxfuse audit: running {mode} ...", file=sys.stderr, flush=True)
-        results[mode] = run_worker({**_base_spec(args), "job": "run", "mode": mode}, args.timeout)
+        results[mode] = run_worker({**_base_spec(args), "job": "run", "mode": mode}, args.timeout, args.cold_compile)
     for mode in modes:
         if args.fit != "none" and results[mode].get("status") == "ok":
             print(f"fxfuse audit: largest {args.fit} search for {mode} ...", file=sys.stderr, flush=True)
@@ -330,6 +337,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-search", type=int, default=32768, help="sequence search cap (0: skip)")
     p.add_argument("--mem-limit-gib", type=float, default=None, help="CUDA memory cap for every mode")
     p.add_argument("--timeout", type=float, default=None, help="seconds per worker process")
+    p.add_argument("--cold-compile", action="store_true",
+                   help="every mode compiles with empty Inductor / Triton caches: the first step's time is a "
+                        "cold compile, not a cache hit of an earlier mode or run")
     p.add_argument("--reference", default=None, metavar="AUDIT_JSON",
                    help="an earlier audit.json of the same run (model, seed, data, lr) at another precision, e.g. "
                         "--dtype float32 --compare eager: every mode's loss curve is also compared to its eager one")

@@ -169,7 +169,10 @@ def prepare(mode: str, model, options: dict):
     if mode in ("eager", "eager-rerun"):
         return model
     if mode == "eager-fp32-head":
-        model.get_output_embeddings().register_forward_hook(_upcast_output)
+        head = model.get_output_embeddings()
+        if head is None:
+            raise ModeUnavailable("the model has no lm_head (get_output_embeddings() is None)")
+        head.register_forward_hook(_upcast_output)
         return model
     if mode == "inductor":
         return torch.compile(model)

@@ -19,7 +19,6 @@ import torch
 import fxfuse.audit_worker as worker
 from fxfuse.audit import _kv, run_worker, search_largest
 from fxfuse.audit_plot import Progress
-from fxfuse.audit_profile import category, tensor_bytes
 from fxfuse.audit_fit import fit_batch
 from fxfuse.audit_worker import build_model
 from helpers import count_calls, is_rms_norm
@@ -173,7 +172,7 @@ def test_fxfuse_option_end_to_end(tmp_path):
            "--batch", str(BATCH), "--seq", str(SEQ), "--steps", "2", "--warmup", "0", "--compare", "fxfuse",
            "--fxfuse-inner", "aot_eager", "--fxfuse-option", "loss_head=fast",
            "--fxfuse-option", "causal_attention=False", "--fit", "batch", "--max-batch-search", "4",
-           "--profile-steps", "0", "--out", str(out)]
+           "--profile-steps", "0", "--cold-compile", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     audit = json.loads((out / "audit.json").read_text())
@@ -193,6 +192,30 @@ def test_fxfuse_option_end_to_end(tmp_path):
     assert "uniform synthetic tokens, AdamW lr 0.0003" in e2e.markdown(audit).splitlines()[0]
     audit["pairwise"] = {"inductor vs fxfuse": 0.25}
     assert "max |dloss| between modes: inductor vs fxfuse 2.50e-01" in e2e.markdown(audit)
+    # the first step (compile included) is a column of both tables; --cold-compile is said in the header
+    assert "1st step: the first training step, compile included (empty compile caches per mode)" in proc.stdout
+    first = f"{fx['step_times_s'][0]:.1f}"
+    assert f"| fxfuse | {first} | {fx['step_time_ms']:.1f} |" in e2e.markdown(audit)
+
+
+def test_cold_compile_gives_each_worker_empty_caches(monkeypatch):
+    """--cold-compile: the worker process gets its own empty Inductor and Triton cache folders."""
+    import fxfuse.audit as audit
+
+    seen = []
+
+    def fake_run(cmd, timeout=None, stdout=None, env=None):
+        seen.append(env)
+        with open(cmd[-1], "w") as f:
+            json.dump({"mode": "eager", "status": "ok"}, f)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(audit.subprocess, "run", fake_run)
+    assert run_worker({"mode": "eager"}, cold=True)["status"] == "ok"
+    assert run_worker({"mode": "eager"})["status"] == "ok"
+    cold, warm = seen
+    assert warm is None and cold["TORCHINDUCTOR_CACHE_DIR"] != cold["TRITON_CACHE_DIR"]
+    assert os.path.basename(os.path.dirname(cold["TRITON_CACHE_DIR"])).startswith("fxfuse_audit_")
 
 
 def test_bad_fxfuse_option_is_the_fxfuse_rows_error():
@@ -222,27 +245,6 @@ def test_unknown_mode_is_reported_in_its_row():
     assert r["status"].startswith("error: ValueError") and "nosuchmode" in r["status"]
 
 
-def test_attribution_rule():
-    cases = {
-        "aten::pow": "rms_norm", "aten::rsqrt": "rms_norm", "fxfuse::rms_norm_backward": "rms_norm",
-        "triton_per_fused_add_mean_mul_pow_rsqrt_0": "rms_norm", "_rms_norm_forward_kernel": "rms_norm",
-        "aten::silu_backward": "swiglu", "_swiglu_fwd_kernel": "swiglu", "triton_poi_fused_mul_silu_1": "swiglu",
-        "fxfuse::rope_bwd": "rope", "aten::neg": "rope", "_triton_rope": "rope",
-        "aten::_log_softmax": "linear_cross_entropy", "aten::nll_loss_forward": "linear_cross_entropy",
-        "_lce_fwd_chunk_kernel": "linear_cross_entropy", "liger_cross_entropy_kernel": "linear_cross_entropy",
-        "aten::mm": None, "aten::mul": None, "aten::_softmax": None, "aten::_foreach_pow": None,
-        "Optimizer.step#AdamW.step": None, "aten::scaled_dot_product_attention": None,
-    }
-    assert {n: category(n) for n in cases} == cases
-
-
-def test_tensor_bytes():
-    assert tensor_bytes("mul_3:float32[2, 9, 32]") == ("mul_3", "float32", [2, 9, 32], 2304)
-    assert tensor_bytes("log_softmax (in cross_entropy):bfloat16[18, 96]")[::3] == (
-        "log_softmax (in cross_entropy)", 18 * 96 * 2)
-    assert tensor_bytes("x:float32[s0, 32]")[3] is None
-
-
 def test_progress_bar_without_terminal_prints_deciles():
     buf = io.StringIO()
     bar = Progress(200, "fxfuse", stream=buf)
@@ -251,55 +253,6 @@ def test_progress_bar_without_terminal_prints_deciles():
     lines = buf.getvalue().splitlines()
     assert 10 <= len(lines) <= 11 and lines[-1].startswith("fxfuse [" + "#" * 28 + "] 200/200")
     assert "\r" not in buf.getvalue()
-
-
-def test_attribution_of_gpu_kernels():
-    """CUDA branch (no GPU here: profiler events faked): a kernel counts for its own name's pattern,
-    else for its launching op's; the total is all device time."""
-    from types import SimpleNamespace as NS
-
-    from torch.autograd import DeviceType
-
-    from fxfuse.audit_profile import attribute
-
-    def cpu(name, kernels, parent=None):
-        return NS(name=name, device_type=DeviceType.CPU, is_async=False, is_legacy=False, cpu_parent=parent,
-                  kernels=[NS(name=k, duration=us) for k, us in kernels])
-
-    def gpu(name, us):
-        return NS(name=name, device_type=DeviceType.CUDA, is_async=False, time_range=NS(elapsed_us=lambda: us))
-
-    step = cpu("ProfilerStep#0", [])
-    events = [step, cpu("fxfuse::rms_norm", [("_rms_norm_fwd_kernel", 40), ("vectorized_copy", 30)], step),
-              cpu("aten::mm", [("sm90_gemm", 100)], step),
-              gpu("_rms_norm_fwd_kernel", 40), gpu("vectorized_copy", 30), gpu("sm90_gemm", 100)]
-    per_pattern, per_name, total = attribute(events, cuda=True)
-    assert per_pattern.keys() == {"rms_norm"} and per_pattern["rms_norm"] == pytest.approx(0.07)
-    assert total == pytest.approx(0.17) and per_name["sm90_gemm"] == pytest.approx(0.1)
-
-
-def test_memory_peak_replays_the_allocator_trace():
-    """peak_blocks finds the peak of live bytes and groups what is alive there by source line."""
-    from fxfuse.audit_memory import peak_blocks, render
-
-    model = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
-             {"filename": "/m/modeling_llama.py", "line": 42, "name": "forward"}]
-    kernel = [{"filename": "/s/fxfuse/kernels/rms_norm.py", "line": 7, "name": "_fwd"}]
-    trace = [
-        {"action": "alloc", "addr": 1, "size": 100 << 20, "frames": model},
-        {"action": "alloc", "addr": 2, "size": 50 << 20, "frames": kernel},
-        {"action": "alloc", "addr": 3, "size": 30 << 20, "frames": model},  # peak: 180 MiB
-        {"action": "free_requested", "addr": 2, "size": 50 << 20},
-        {"action": "free_completed", "addr": 2, "size": 50 << 20},
-        {"action": "alloc", "addr": 4, "size": 20 << 20, "frames": kernel},  # 150 MiB: not the peak
-        {"action": "free_requested", "addr": 1, "size": 100 << 20},
-    ]
-    peak = peak_blocks(trace)
-    assert peak["peak_mib"] == 180
-    assert peak["lines"] == [{"where": "modeling_llama.py:42 forward", "mib": 130.0, "blocks": 2},
-                             {"where": "rms_norm.py:7 _fwd", "mib": 50.0, "blocks": 1}]
-    text = "\n".join(render("fxfuse", peak))
-    assert "180 MiB" in text and "modeling_llama.py:42" in text
 
 
 def test_mem_limit_device_index():

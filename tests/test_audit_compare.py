@@ -78,3 +78,6 @@ def test_eager_fp32_head_runs_the_logit_ops_in_fp32():
     assert out.logits.dtype == torch.float32 and torch.equal(out.logits, expected)
     eager = worker.prepare("eager", build_model("gemma2", {}, True, torch.bfloat16, "cpu", seed=0), {})
     assert eager(input_ids=ids, labels=ids).logits.dtype == torch.bfloat16
+    headless = type("Headless", (), {"get_output_embeddings": lambda self: None})()
+    with pytest.raises(worker.ModeUnavailable, match="no lm_head"):
+        worker.prepare("eager-fp32-head", headless, {})
