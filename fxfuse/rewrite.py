@@ -12,6 +12,8 @@ from .options import Options
 from .pattern import Pattern
 from .report import Report, Site, module_path, source_line
 
+aten = torch.ops.aten
+
 _CARRIED_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "val", "tensor_meta")
 
 
@@ -52,11 +54,17 @@ def saved_bytes(m: Match) -> tuple[int, list[str]]:
     return total, names
 
 
+def _noop_cast_of(u: fx.Node, n: fx.Node) -> bool:
+    """u is a cast of n that changes nothing. n must be the cast's input: ``type_as(y, n)`` takes
+    only n's dtype and its value is y's, not n's."""
+    return u.target in CASTS and u.args[0] is n and is_noop_cast(u)
+
+
 def _real_users(n: fx.Node) -> list[fx.Node]:
     """n's users, looking through casts that change nothing (they follow their input anywhere)."""
     out = []
     for u in n.users:
-        out += _real_users(u) if u.target in CASTS and is_noop_cast(u) else [u]
+        out += _real_users(u) if _noop_cast_of(u, n) else [u]
     return out
 
 
@@ -106,16 +114,19 @@ def _bypass_noop_casts(n: fx.Node, new: fx.Node) -> None:
     """Users reached through no-op casts of n read new directly (the fused call may sit after the
     casts when it is placed after its last input)."""
     for u in list(n.users):
-        if u.target in CASTS and is_noop_cast(u):
+        if _noop_cast_of(u, n):
             _bypass_noop_casts(u, new)
             u.replace_all_uses_with(new)
             n.graph.erase_node(u)  # dead now, and it may sit before new
 
 
-def _placed_groups(pattern: Pattern, matches: list[Match], graph: fx.Graph) -> list[tuple[list[Match], fx.Node]]:
-    """(group, node to insert its fused call before). The call goes before the group's first anchor
-    if every input exists by then, else right after its last input if no anchor is used before
-    that (gpt-fast computes k's input after q's rotation); a group that fits neither is split."""
+def _placed_groups(pattern: Pattern, matches: list[Match], graph: fx.Graph
+                   ) -> list[tuple[list[Match], fx.Node, list[fx.Node]]]:
+    """(group, node to insert its fused call before, views to move after the call). The call goes
+    before the group's first anchor if every input exists by then, else right after its last input
+    if no anchor is used before that (gpt-fast computes k's input after q's rotation) or used only
+    by views that can follow the call (Gemma 4 transposes q before it projects k); a group that fits
+    none of these is split."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     groups = pattern.group(matches) if pattern.group else [[m] for m in matches]
     # one fused call never spans two activation-checkpointed regions (nor a region and the outside)
@@ -126,13 +137,36 @@ def _placed_groups(pattern: Pattern, matches: list[Match], graph: fx.Graph) -> l
         first = min((m.anchor for m in g), key=order.__getitem__)
         last_input = max((i for m in g for i in m.inputs.values()), key=order.__getitem__)
         first_use = min((order[u] for m in g for u in _real_users(m.anchor)), default=len(order))
+        views = [_views_before(m.anchor, order[last_input], order) for m in g]
         if order[last_input] < order[first]:
-            out.append((g, first))
+            out.append((g, first, []))
         elif order[last_input] < first_use:
-            out.append((g, last_input.next))
+            out.append((g, last_input.next, []))
+        elif all(v is not None for v in views):
+            out.append((g, last_input.next, sorted({n for v in views for n in v}, key=order.__getitem__)))
         else:
-            out += [([m], m.anchor) for m in g]
+            out += [([m], m.anchor, []) for m in g]
     return out
+
+
+_VIEWS = {aten.transpose.int, aten.permute.default, aten.view.default, aten.reshape.default,
+          aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.t.default}
+
+
+def _views_before(anchor: fx.Node, limit: int, order: dict) -> list[fx.Node] | None:
+    """The nodes that use anchor (directly or through them) at or before position limit, when every
+    one is a view or a no-op cast (nothing computed: they can move after the fused call); None when
+    anything else reads the anchor by then."""
+    seen, stack = set(), [(u, anchor) for u in anchor.users]
+    while stack:
+        u, src = stack.pop()
+        if order[u] > limit or u in seen:
+            continue
+        if not ((u.target in _VIEWS and u.args[0] is src) or _noop_cast_of(u, src)):
+            return None
+        seen.add(u)
+        stack += [(w, u) for w in u.users]
+    return list(seen)
 
 
 def _lower(pattern: Pattern, group: list[Match], graph: fx.Graph, opts: Options) -> list[fx.Node]:
@@ -174,7 +208,7 @@ def rewrite(gm: fx.GraphModule, patterns: list[Pattern], opts: Options) -> Repor
     skipped: list[fx.Node] = []
     for pattern in patterns:
         matches, misses = GraphMatcher(gm.graph).find(pattern)
-        for group, where in _placed_groups(pattern, matches, gm.graph):
+        for group, where, views in _placed_groups(pattern, matches, gm.graph):
             first = group[0].anchor
             variant = "+".join(dict.fromkeys(m.variant.name for m in group))
             before = set(gm.graph.nodes)
@@ -211,6 +245,8 @@ def rewrite(gm: fx.GraphModule, patterns: list[Pattern], opts: Options) -> Repor
                     skipped += _skip_escapes(m, gm.graph)
                 else:
                     _detach_escapes(m, gm.graph)
+            for v in views:  # views of an anchor that sat before the call now read its output: follow it
+                where.prepend(v)
         for mi in misses:
             report.unmatched.append(_site(pattern.name, mi.anchor, mi.variant, reason=mi.reason,
                                           nodes=[mi.anchor.name]))

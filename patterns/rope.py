@@ -2,10 +2,10 @@
 
 One match is one tensor's rotation; ``group`` pairs the rotations that share cos / sin (q and k of
 one attention layer) into one ``fxfuse::rope`` call, which is one site. Spellings:
-  - HF ``rotate_half``: ``x * cos + cat(-x2, x1) * sin``, cos / sin per channel [..., D], and its
-    interleaved form (Cohere, GLM, Helium: ``stack(-x[..., 1::2], x[..., ::2]).flatten(-2)``);
+  - HF ``rotate_half``: ``x * cos + cat(-x2, x1) * sin``, cos / sin per channel [..., D], NanoChat's
+    ``cat(x2, -x1)`` (the rotation by -angle), and the interleaved form (Cohere, GLM, Helium: ``stack(-x[..., 1::2], x[..., ::2]).flatten(-2)``);
   - the same rotation written out on halves: ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``,
-    cos / sin [..., D/2];
+    cos / sin [..., D/2], the halves sliced or ``torch.chunk``-ed (gpt-oss);
   - interleaved pairs: Meta / torchtitan ``view_as_complex(x.reshape(..., -1, 2)) * freqs_cis``, and
     gpt-fast's real form (``reshape(..., -1, 2)`` + ``stack``).
 Partial rotary (Phi, GPT-NeoX, StableLM, GLM) needs no spelling of its own: the rotated slice
@@ -34,6 +34,13 @@ def rope_rotate_half(x, cos, sin):
     return (x * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
 
 
+def rope_rotate_half_flipped(x, cos, sin):
+    """NanoChat: ``rotate_half`` as ``cat(x2, -x1)``, the rotation by -angle (sin negated)."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return (x * cos) + (torch.cat((x2, -x1), dim=-1) * sin)
+
+
 def rope_interleaved(x, cos, sin):
     """HF Cohere / GLM / Helium: interleaved pairs, ``stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)``."""
     x1 = x[..., 0::2]
@@ -46,6 +53,12 @@ def rope_halves(x, cos_h, sin_h):
     x1 = x[..., : x.shape[-1] // 2]
     x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat([x1 * cos_h - x2 * sin_h, x2 * cos_h + x1 * sin_h], dim=-1)
+
+
+def rope_halves_chunk(x, cos_h, sin_h):
+    """gpt-oss ``_apply_rotary_emb``: the same halves rotation, x split by ``torch.chunk``."""
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((x1 * cos_h - x2 * sin_h, x2 * cos_h + x1 * sin_h), dim=-1)
 
 
 def rope_complex_meta(x, freqs_cis):
@@ -137,6 +150,8 @@ def _per_channel(graph: fx.Graph, m) -> tuple[fx.Node, fx.Node]:
     else:
         rank = val(m.inputs["cos"]).dim()
         tabs = [m.inputs["cos"], m.inputs["sin"]]
+        if form == "half_flipped":  # x cos + cat(x2, -x1) sin = x cos + cat(-x2, x1) (-sin)
+            tabs[1] = call(aten.neg.default, (tabs[1],))
     for _ in range(4 - rank):
         tabs = [call(aten.unsqueeze.default, (t, 0)) for t in tabs]
     return tabs[0], tabs[1]
@@ -176,11 +191,12 @@ def _heads_inner(v) -> bool:
 
 
 def _is_candidate(n: fx.Node) -> bool:
-    """view_as_complex, or a rotate_half concatenation / stack (its first piece negated)."""
+    """view_as_complex, or a rotate_half concatenation / stack of two pieces, one negated."""
     if n.target == aten.view_as_complex.default:
         return True
-    return (n.target in (aten.cat.default, aten.stack.default) and isinstance(n.args[0][0], fx.Node)
-            and n.args[0][0].target == aten.neg.default)
+    if n.target not in (aten.cat.default, aten.stack.default) or len(n.args[0]) != 2:
+        return False
+    return any(isinstance(p, fx.Node) and p.target == aten.neg.default for p in n.args[0])
 
 
 _bf, _f32, _c64 = torch.bfloat16, torch.float32, torch.complex64
@@ -188,8 +204,10 @@ PATTERN = Pattern(
     name="rope",
     variants=(
         Variant(rope_rotate_half, {"form": "half"}),
+        Variant(rope_rotate_half_flipped, {"form": "half_flipped"}),
         Variant(rope_interleaved, {"form": "interleaved"}),
         Variant(rope_halves, {"form": "halves"}),
+        Variant(rope_halves_chunk, {"form": "halves"}),
         Variant(rope_complex_meta, {"form": "complex"}, dtypes=({"x": _bf, "freqs_cis": _c64},
                                                                  {"x": _f32, "freqs_cis": _c64})),
         Variant(rope_pairs_gptfast, {"form": "pairs"}),

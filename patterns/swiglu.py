@@ -59,12 +59,30 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
 
 
 def _is_candidate(n: fx.Node) -> bool:
-    """silu / gelu feeding a product, or sigmoid(x) multiplied by its own x (SiLU spelled out);
-    a sigmoid gate on something else (Qwen2-MoE's shared-expert gate) is not a gated MLP."""
+    """silu / gelu feeding a product, or sigmoid(x) (or sigmoid(alpha * x)) multiplied by its own x
+    (SiLU spelled out; gpt-oss's GLU); a sigmoid gate on something else (Qwen2-MoE's shared-expert
+    gate) is not a gated MLP."""
     muls = [u for u in n.users if u.target == torch.ops.aten.mul.Tensor]
     if n.target in (torch.ops.aten.silu.default, torch.ops.aten.gelu.default):
         return bool(muls)
-    return n.target == torch.ops.aten.sigmoid.default and any(n.args[0] in u.args for u in muls)
+    return n.target == torch.ops.aten.sigmoid.default and (
+        any(n.args[0] in u.args for u in muls) or _scaled_self_gate(n))
+
+
+def _scaled_self_gate(n: fx.Node) -> bool:
+    """sigmoid(alpha * x) multiplied by x: gpt-oss's ``gate * sigmoid(gate * alpha)``."""
+    arg = n.args[0]
+    if not (isinstance(arg, fx.Node) and arg.target == torch.ops.aten.mul.Tensor):
+        return False
+    xs = [a for a in arg.args if isinstance(a, fx.Node)]
+    return len(xs) == 1 and any(xs[0] in u.args for u in n.users if u.target == torch.ops.aten.mul.Tensor)
+
+
+def _miss_reason(n: fx.Node) -> str | None:
+    if n.target == torch.ops.aten.sigmoid.default and _scaled_self_gate(n):
+        return ("gate * sigmoid(alpha * gate) (gpt-oss: clamped gate and up, (up + 1) * glu): no fused "
+                "kernel computes this activation, it stays as written")
+    return None
 
 
 _bf, _f32 = torch.bfloat16, torch.float32
@@ -82,4 +100,5 @@ PATTERN = Pattern(
     lower=lower,
     recompute=True,
     is_candidate=_is_candidate,
+    miss_reason=_miss_reason,
 )

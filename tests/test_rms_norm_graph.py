@@ -164,3 +164,31 @@ def test_eps_computed_in_the_graph_is_specialised_with_a_guard():
     assert graphs == [1, 2, 2], graphs
     reports = fxfuse.compiled_reports()[n0:]
     assert reports and all(r.counts()["rms_norm"] == 1 for r in reports if r.matched or r.unmatched)
+
+
+class _TypeAsAfterNorm(nn.Module):
+    """A norm's output used only as the dtype reference of a later type_as (NanoChat's
+    ``_norm(x.float()).type_as(x)`` on a fused value): in fp32 ``x.float()`` is a no-op cast of the
+    fused output and ``type_as(y, x.float())`` takes its dtype only, its value is y's."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.w = nn.Parameter(torch.rand(16) + 0.5)
+
+    def forward(self, x):
+        h = self.lin(x).float()
+        a = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w  # fused
+        af = a.float()  # fp32: a no-op cast of the fused output
+        return (af * 3.0 + af.pow(2)).type_as(af).sum()
+
+
+def test_type_as_reference_of_a_fused_output_keeps_its_own_value():
+    """Regression: the rewrite rerouted users of no-op casts of a fused output to the fused value,
+    including a type_as that only reads the cast as its dtype reference, which silently dropped
+    the computation in between (NanoChat's q/k norms after RoPE lost their normalisation)."""
+    torch.manual_seed(0)
+    model = _TypeAsAfterNorm()
+    loss_err, grad_err, report, _ = compiled_parity(model, {"x": torch.randn(3, 5, 16)}, loss_fn=lambda out: out)
+    assert report.counts()["rms_norm"] == 1, str(report)
+    assert loss_err < 1e-6 and grad_err < 1e-5, (loss_err, grad_err)

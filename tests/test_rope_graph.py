@@ -17,19 +17,29 @@ def is_attention(m: nn.Module) -> bool:
             or isinstance(m, (GptFastBlock, TitanBlock)))
 
 
-@pytest.mark.parametrize("model_type,overrides", [
-    ("llama", {}), ("mistral", {}), ("qwen2", {}), ("phi3", {}), ("gemma", {}),
-    ("llama", {"num_key_value_heads": 1}),  # MQA
-    ("gpt_neox", {"rotary_pct": 0.5}),  # partial rotary: the rotated slice binds as the input
-], ids=["llama", "mistral", "qwen2", "phi3", "gemma", "llama_mqa", "gpt_neox_partial"])
-def test_hf_rotations_fused(model_type, overrides):
+@pytest.mark.parametrize("model_type,overrides,variant", [
+    ("llama", {}, "rope_rotate_half"), ("mistral", {}, "rope_rotate_half"), ("qwen2", {}, "rope_rotate_half"),
+    ("phi3", {}, "rope_rotate_half"), ("gemma", {}, "rope_rotate_half"),
+    ("llama", {"num_key_value_heads": 1}, "rope_rotate_half"),  # MQA
+    ("gpt_neox", {"rotary_pct": 0.5}, "rope_rotate_half"),  # partial rotary: the rotated slice binds as the input
+    # q rotated and transposed before k is projected: the transpose follows the one fused call
+    ("gemma4_text", {}, "rope_rotate_half"),
+    ("gpt_oss", {}, "rope_halves_chunk"),  # the halves from torch.chunk
+    ("nanochat", {}, "rope_rotate_half_flipped"),  # rotate_half as cat(x2, -x1)
+], ids=["llama", "mistral", "qwen2", "phi3", "gemma", "llama_mqa", "gpt_neox_partial", "gemma4", "gpt_oss",
+        "nanochat"])
+def test_hf_rotations_fused(model_type, overrides, variant):
     model = hf_model(model_type, **overrides)
     inputs = batch()
     expected = count_calls(model, is_attention, **inputs)
-    loss_err, grad_err, report, _ = compiled_parity(model, inputs)
+    # Gemma 4's q/k-norm weight grads (norm ~3e-2) sum 72 rows that cancel: the fused RMSNorm's dW
+    # summation order alone moves them ~2e-5 relative; RoPE is what this test isolates (the zoo
+    # checks the whole model, with its tolerance for such near-zero gradients)
+    options = {"patterns": ("rope",)} if model_type == "gemma4_text" else None
+    loss_err, grad_err, report, _ = compiled_parity(model, inputs, options=options)
     sites = [s for s in report.matched if s.pattern == "rope"]
     assert len(sites) == expected, str(report)
-    assert all(s.variant == "rope_rotate_half" for s in sites)
+    assert all(s.variant == variant for s in sites)
     assert not [s for s in report.unmatched if s.pattern == "rope"], str(report)
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
 
