@@ -30,14 +30,14 @@ def _names(m: nn.Module) -> set[str]:
 
 
 def is_rms_norm(m: nn.Module) -> bool:
-    """nn.RMSNorm and *RMSNorm classes; Llama 4's weightless q/k ``L2Norm`` is x * rsqrt(mean(x^2) + eps)."""
+    """nn.RMSNorm and *RMSNorm classes; Llama 4's weightless q/k ``L2Norm`` (x * rsqrt(mean(x^2) + eps))."""
     name = type(m).__name__.lower()
     return isinstance(m, nn.RMSNorm) or name.endswith("rmsnorm") or name == "llama4textl2norm"
 
 
 def is_gated_mlp(m: nn.Module) -> bool:
     """act(gate) * up modules: HF gate_proj/up_proj, fused gate_up_proj (Phi-3, MoE experts),
-    Meta / gpt-fast w1/w3; Gemma 4's decoder layer gates act(per_layer_input_gate(h)) * per_layer_input."""
+    Meta / gpt-fast w1/w3; Gemma 4's decoder layer (act(per_layer_input_gate(h)) * per_layer_input)."""
     names = _names(m)
     return ({"gate_proj", "up_proj"} <= names or "gate_up_proj" in names or {"w1", "w3"} <= names
             or "per_layer_input_gate" in names)

@@ -25,6 +25,7 @@ HF_ZOO: dict[str, dict] = {
     "olmo": {}, "olmo2": {}, "stablelm": {}, "cohere": {}, "starcoder2": {}, "granite": {}, "glm": {},
     "helium": {}, "smollm3": {}, "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
     "opt": {"ffn_dim": 48, "word_embed_proj_dim": 32, "dropout": 0.0}, "bloom": {},
+    "llama4_text": {}, "qwen3_moe": {}, "gpt_oss": {}, "nanochat": {}, "lfm2": {},
 }
 
 # (architecture, pattern) -> why the site is not fused; the harness records these as gaps
@@ -34,6 +35,8 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("gpt2", "linear_cross_entropy"): "graph break",
     # Bloom's GeLU is a custom autograd.Function: the graph stays whole unfused (normalize.py)
     ("bloom", "linear_cross_entropy"): "higher-order op autograd_function_apply",
+    # gpt-oss's GLU: clamp(gate) * sigmoid(alpha * clamp(gate)) * (clamp(up) + 1); no kernel for it
+    ("gpt_oss", "swiglu"): "no fused kernel computes this activation",
 }
 
 

@@ -3,7 +3,8 @@
 One match is one tensor's rotation; ``group`` pairs the rotations that share cos / sin (q and k of
 one attention layer) into one ``fxfuse::rope`` call, which is one site. Spellings:
   - HF ``rotate_half``: ``x * cos + cat(-x2, x1) * sin``, cos / sin per channel [..., D], NanoChat's
-    ``cat(x2, -x1)`` (the rotation by -angle), and the interleaved form (Cohere, GLM, Helium: ``stack(-x[..., 1::2], x[..., ::2]).flatten(-2)``);
+    ``cat(x2, -x1)`` (the rotation by -angle), and the interleaved form (Cohere, GLM, Helium:
+    ``stack(-x[..., 1::2], x[..., ::2]).flatten(-2)``);
   - the same rotation written out on halves: ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``,
     cos / sin [..., D/2], the halves sliced or ``torch.chunk``-ed (gpt-oss);
   - interleaved pairs: Meta / torchtitan ``view_as_complex(x.reshape(..., -1, 2)) * freqs_cis``, and
