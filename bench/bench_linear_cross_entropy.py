@@ -50,7 +50,8 @@ def floor_mib(n: int, h: int, v: int, element_size: int, frozen_weight: bool = F
 
 
 def _fast_rows(n: int, v: int, element_size: int) -> int:
-    """Rows per pass of the fast algorithm at this shape (its own rule, or --fast-rows)."""
+    """Rows per pass of the fast algorithm at this shape (its own rule, or the --fast-rows value that
+    _provider_row sets as the kernel module's override)."""
     from fxfuse.kernels.linear_cross_entropy_fast import _fast_rows_per_pass
 
     return _fast_rows_per_pass(n, v, element_size)
@@ -177,7 +178,7 @@ def _provider_row(case: Case, provider: str, args, fast_rows: int | None = None)
     try:
         x, w, b, t = _inputs(n, h, v, case.dtype, args)
         if provider.startswith("matmuls"):
-            passes = n if provider == "matmuls" else (fast_rows or _fast_rows(n, v, x.element_size()))
+            passes = n if provider == "matmuls" else _fast_rows(n, v, x.element_size())  # honours fast_rows
             step, err = _matmul_step(x.detach(), w.detach(), passes), None
             note = f"floor: cuBLAS matmuls only, {-(-n // passes)} pass(es) of {passes} rows"
         else:

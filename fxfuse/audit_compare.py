@@ -24,12 +24,15 @@ def _worst(curve: list[float], ref: list[float]) -> dict:
             "last_abs": absd[-1], "steps": len(absd)}
 
 
+def _against(results: dict, ref: list[float]) -> dict:
+    """Per mode with a loss curve: its _worst against ref."""
+    return {mode: _worst(r["losses"], ref) for mode, r in results.items() if r.get("losses")}
+
+
 def divergence(results: dict) -> dict:
     """Per mode: the largest |loss - eager loss| over the steps both ran, absolute and relative."""
     ref = (results.get("eager") or {}).get("losses")
-    if not ref:
-        return {}
-    return {mode: _worst(r["losses"], ref) for mode, r in results.items() if r.get("losses")}
+    return _against(results, ref) if ref else {}
 
 
 def pairwise_divergence(results: dict) -> dict:
@@ -60,7 +63,7 @@ def load_reference(path: str, args: dict) -> dict:
 
 def reference_divergence(results: dict, reference: dict) -> dict:
     """Per mode (eager included): its largest |loss - reference eager loss|."""
-    return {mode: _worst(r["losses"], reference["losses"]) for mode, r in results.items() if r.get("losses")}
+    return _against(results, reference["losses"])
 
 
 def render_lines(audit: dict) -> list[str]:

@@ -137,13 +137,12 @@ def _placed_groups(pattern: Pattern, matches: list[Match], graph: fx.Graph
         first = min((m.anchor for m in g), key=order.__getitem__)
         last_input = max((i for m in g for i in m.inputs.values()), key=order.__getitem__)
         first_use = min((order[u] for m in g for u in _real_users(m.anchor)), default=len(order))
-        views = [_views_before(m.anchor, order[last_input], order) for m in g]
         if order[last_input] < order[first]:
             out.append((g, first, []))
         elif order[last_input] < first_use:
             out.append((g, last_input.next, []))
-        elif all(v is not None for v in views):
-            out.append((g, last_input.next, sorted({n for v in views for n in v}, key=order.__getitem__)))
+        elif (views := _views_before([m.anchor for m in g], order[last_input], order)) is not None:
+            out.append((g, last_input.next, views))
         else:
             out += [([m], m.anchor, []) for m in g]
     return out
@@ -153,11 +152,11 @@ _VIEWS = {aten.transpose.int, aten.permute.default, aten.view.default, aten.resh
           aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.t.default}
 
 
-def _views_before(anchor: fx.Node, limit: int, order: dict) -> list[fx.Node] | None:
-    """The nodes that use anchor (directly or through them) at or before position limit, when every
-    one is a view or a no-op cast (nothing computed: they can move after the fused call); None when
-    anything else reads the anchor by then."""
-    seen, stack = set(), [(u, anchor) for u in anchor.users]
+def _views_before(anchors: list[fx.Node], limit: int, order: dict) -> list[fx.Node] | None:
+    """The nodes that use the anchors (directly or through them) at or before position limit, in
+    graph order, when every one is a view or a no-op cast (nothing computed: they can move after the
+    fused call); None when anything else reads an anchor by then."""
+    seen, stack = set(), [(u, a) for a in anchors for u in a.users]
     while stack:
         u, src = stack.pop()
         if order[u] > limit or u in seen:
@@ -166,7 +165,7 @@ def _views_before(anchor: fx.Node, limit: int, order: dict) -> list[fx.Node] | N
             return None
         seen.add(u)
         stack += [(w, u) for w in u.users]
-    return list(seen)
+    return sorted(seen, key=order.__getitem__)
 
 
 def _lower(pattern: Pattern, group: list[Match], graph: fx.Graph, opts: Options) -> list[fx.Node]:
