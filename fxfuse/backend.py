@@ -121,7 +121,7 @@ def inner_compile(gm: fx.GraphModule, example_inputs, opts: Options, mode: str |
     # tagged for recomputation would share an entry with the same graph untagged (and get the wrong
     # saved set). Tagged graphs skip that cache; Inductor's own cache of the partitioned graphs stays.
     tagged = any("recompute" in n.meta for n in gm.graph.nodes)
-    with config.patch({**mode_opts, **opts.inductor_config}), \
+    with config.patch({**mode_opts, **opts.inductor_patches()}), \
             functorch_config.patch(enable_autograd_cache=functorch_config.enable_autograd_cache and not tagged):
         return compile_fx(gm, example_inputs)
 

@@ -22,7 +22,13 @@ DOC = {
                  "inputs their backward keeps anyway, not saved for the next matmul; False: saved",
     "causal_attention": "True (default): an SDPA call whose mask is a constant causal mask gets "
                         "is_causal=True instead (and enable_gqa for repeated k/v); False: left as is",
+    "numerics": "'eager' (default): in bf16/fp16 graphs the fused ops round where eager's ops store "
+                "a low-precision result (the loss head's logit ops and their gradients, a gated MLP's "
+                "activation) and Inductor keeps eager's casts (emulate_precision_casts), so losses "
+                "follow eager's; 'fp32': fused ops keep fp32 between the graph's ops (one rounding per "
+                "output: closer to the exact value, not to eager) and Inductor fuses casts away",
 }
+NUMERICS = ("eager", "fp32")
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class Options:
     causal_attention: bool = True
     loss_head: str = "auto"
     recompute: bool = True
+    numerics: str = "eager"
 
     @classmethod
     def parse(cls, options: dict | None) -> Options:
@@ -64,8 +71,26 @@ class Options:
         recompute = options.get("recompute", True)
         if not isinstance(recompute, bool):
             raise ValueError(f"fxfuse: option 'recompute' must be True or False, got {recompute!r}")
+        numerics = options.get("numerics", "eager")
+        if numerics not in NUMERICS:
+            raise ValueError(f"fxfuse: option 'numerics' must be one of {NUMERICS}, got {numerics!r}")
         return cls(inner, pats, debug_dir, dict(options.get("inductor_config") or {}), logits, causal,
-                   loss_head, recompute)
+                   loss_head, recompute, numerics)
+
+    @property
+    def eager_rounding(self) -> bool:
+        """Fused ops reproduce eager's low-precision roundings (numerics='eager')."""
+        return self.numerics == "eager"
+
+    def inductor_patches(self) -> dict:
+        """torch._inductor.config overrides for the inner compile: numerics='eager' keeps eager's
+        downcasts between fused pointwise ops (emulate_precision_casts); the user's inductor_config
+        wins over it."""
+        from torch._inductor import config
+
+        eager = {"emulate_precision_casts": True} if self.eager_rounding and hasattr(
+            config, "emulate_precision_casts") else {}
+        return {**eager, **self.inductor_config}
 
     def loss_head_algorithm(self) -> str:
         """The fused loss head's algorithm: 'auto' is 'fast' under Inductor, whose compiled backward

@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import use_triton
+from ._round import rne_by_bits, round_code, round_ref, round_to
 
 _DX_ACC_BYTES = 64 << 20
 _LOGITS_BYTES = 16 << 20
@@ -69,14 +70,31 @@ def _tanh(u):
 
 
 @triton.jit
-def _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
-    """fp32 logits of one tile from the raw matmul tile zr (fp32)."""
+def _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+            ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr):
+    """(z, t): fp32 logits of one tile from the raw matmul tile zr (fp32), and tanh(z / c) (the
+    softcap's tanh, for its backward; z itself without a softcap). With ROUND each op's result is
+    rounded where eager stores it: the lm_head's output, the scale, z / c, tanh, * c."""
     if HAS_BIAS:
         zr += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    z = zr * scale
+    z = round_to(round_to(zr, ROUND, RNE_BY_BITS) * scale, ROUND, RNE_BY_BITS)
+    t = z
     if SOFTCAP:
-        z = softcap * _tanh(z / softcap)
-    return z
+        t = round_to(_tanh(round_to(z / softcap, ROUND, RNE_BY_BITS)), ROUND, RNE_BY_BITS)
+        z = round_to(t * softcap, ROUND, RNE_BY_BITS)
+    return z, t
+
+
+@triton.jit
+def _dlogits(dz, t, scale, softcap, SOFTCAP: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr):
+    """Grad of the raw matmul tile from dz, the fp32 grad of the fp32 logits: the chain rule of
+    _logits in eager's order (the .float() cast's grad rounded first, then * c, tanh', / c, * s)."""
+    dz = round_to(dz, ROUND, RNE_BY_BITS)
+    if SOFTCAP:
+        dz = round_to(dz * softcap, ROUND, RNE_BY_BITS)
+        dz = round_to(dz * (1.0 - t * t), ROUND, RNE_BY_BITS)
+        dz = round_to(dz / softcap, ROUND, RNE_BY_BITS)
+    return dz * scale
 
 
 @triton.jit
@@ -86,7 +104,8 @@ def _lce_fwd_chunk_kernel(
     target_ptr,  # [N] int64 targets
     state_ptr,  # [4, N] fp32, contiguous: running max, running sum-exp, target logit, logit sum
     n0, v0, C, N, stride_z, scale, softcap,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0)
     row = n0 + r
@@ -100,7 +119,7 @@ def _lce_fwd_chunk_kernel(
         cols = c0 + tl.arange(0, BLOCK)
         mask = cols < C
         zr = tl.load(z_row + cols, mask=mask, other=0.0)
-        z = _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS, SOFTCAP)
+        z, _ = _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS, SOFTCAP, ROUND, RNE_BY_BITS)
         z = tl.where(mask, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
@@ -122,7 +141,8 @@ def _lce_bwd_chunk_kernel(
     lse_ptr,  # [N] fp32 logsumexp of each row's logits
     drow_ptr,  # [N] fp32 grad of each row's loss (may be inf on ignored rows: masked here)
     n0, v0, C, stride_z, stride_g, ignore_index, scale, softcap, on_target, off_target,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0)
     row = n0 + r
@@ -136,11 +156,9 @@ def _lce_bwd_chunk_kernel(
         cols = c0 + tl.arange(0, BLOCK)
         mask = cols < C
         zr = tl.load(z_row + cols, mask=mask, other=0.0)
-        z = _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS, SOFTCAP)
-        dz = tl.exp(z - lse) - off_target - tl.where(cols == t, on_target, 0.0)
-        dz = dz * w * scale
-        if SOFTCAP:
-            dz = dz * (1.0 - (z / softcap) * (z / softcap))
+        z, th = _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS, SOFTCAP, ROUND, RNE_BY_BITS)
+        dz = (tl.exp(z - lse) - off_target - tl.where(cols == t, on_target, 0.0)) * w
+        dz = _dlogits(dz, th, scale, softcap, SOFTCAP, ROUND, RNE_BY_BITS)
         tl.store(g_row + cols, dz.to(g_ptr.dtype.element_ty), mask=mask)
 
 
@@ -211,45 +229,49 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a.float(), b.float())
 
 
-def _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, scale, on_triton):
+def _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, scale, low, on_triton):
+    """low: the dtype whose roundings eager's logit ops make (None: none)."""
     rows, cols = z.shape
     if not on_triton:
-        return _fwd_chunk_reference(z, bias, target, state, n0, v0, softcap, scale)
+        return _fwd_chunk_reference(z, bias, target, state, n0, v0, softcap, scale, low)
     b = bias[v0:] if bias is not None else z
     block = _block(cols)
     _lce_fwd_chunk_kernel[(rows,)](
         z, b, target, state, n0, v0, cols, target.shape[0], z.stride(0), scale, softcap,
-        HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, BLOCK=block, num_warps=_num_warps(block),
+        HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, ROUND=round_code(low, low is not None),
+        RNE_BY_BITS=rne_by_bits(z.device), BLOCK=block, num_warps=_num_warps(block),
     )
 
 
 def _bwd_chunk(z, g, bias, target, lse, drow, n0, v0, ignore_index, smoothing, vocab, softcap, scale,
-               on_triton):
+               low, on_triton):
     rows, cols = z.shape
     on_target, off_target = 1.0 - smoothing, smoothing / vocab
     if not on_triton:
         g.copy_(_bwd_chunk_reference(z, bias, target, lse, drow, n0, v0, ignore_index, on_target,
-                                     off_target, softcap, scale))
+                                     off_target, softcap, scale, low))
         return
     b = bias[v0:] if bias is not None else z
     block = _block(cols)
     _lce_bwd_chunk_kernel[(rows,)](
         z, g, b, target, lse, drow, n0, v0, cols, z.stride(0), g.stride(0), ignore_index, scale,
         softcap, on_target, off_target,
-        HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, BLOCK=block, num_warps=_num_warps(block),
+        HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, ROUND=round_code(low, low is not None),
+        RNE_BY_BITS=rne_by_bits(z.device), BLOCK=block, num_warps=_num_warps(block),
     )
 
 
 @torch.library.custom_op("fxfuse::linear_cross_entropy_fwd", mutates_args=())
 def linear_cross_entropy_fwd(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
-    ignore_index: int, label_smoothing: float, softcap: float, logit_scale: float,
+    ignore_index: int, label_smoothing: float, softcap: float, logit_scale: float, eager_rounding: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row losses [N] fp32 (0 on ignored rows) and logsumexp [N] fp32 (saved for backward)."""
     x, weight, target = x.contiguous(), weight.contiguous(), target.contiguous()
     n, h = x.shape
     vocab = weight.shape[0]
     on_triton = x.is_cuda or use_triton(x)
+    low = x.dtype if eager_rounding else None
     state = torch.zeros(4, n, device=x.device, dtype=torch.float32)
     state[0].fill_(float("-inf"))
     rows = _rows_per_pass(n, h)
@@ -261,7 +283,7 @@ def linear_cross_entropy_fwd(
             wc = weight[v0:v0 + cols]
             z = _view(zbuf, xs.shape[0], wc.shape[0])
             _mm_f32(xs, wc.T, z)
-            _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, logit_scale, on_triton)
+            _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, logit_scale, low, on_triton)
     lse = state[0] + state[1].log()
     eps = label_smoothing
     loss = (1.0 - eps) * (lse - state[2]) + eps * (lse - state[3] / vocab)
@@ -270,7 +292,7 @@ def linear_cross_entropy_fwd(
 
 
 @linear_cross_entropy_fwd.register_fake
-def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_scale):
+def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_scale, eager_rounding):
     n = x.shape[0]
     return x.new_empty(n, dtype=torch.float32), x.new_empty(n, dtype=torch.float32)
 
@@ -279,7 +301,7 @@ def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_sca
 def linear_cross_entropy_bwd(
     drow: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     target: torch.Tensor, lse: torch.Tensor, ignore_index: int, label_smoothing: float,
-    softcap: float, logit_scale: float, need_dx: bool, need_dw: bool, need_db: bool,
+    softcap: float, logit_scale: float, eager_rounding: bool, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias); each one not needed is an empty tensor."""
     x, weight, target = x.contiguous(), weight.contiguous(), target.contiguous()
@@ -287,6 +309,7 @@ def linear_cross_entropy_bwd(
     n, h = x.shape
     vocab = weight.shape[0]
     on_triton = x.is_cuda or use_triton(x)
+    low = x.dtype if eager_rounding else None
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     dw = torch.empty_like(weight) if need_dw else weight.new_empty(0)
     db = torch.zeros(vocab, device=x.device, dtype=torch.float32) if need_db else x.new_empty(0)
@@ -307,7 +330,7 @@ def linear_cross_entropy_bwd(
                 z = _view(zbuf, xs.shape[0], wc.shape[0])
                 _mm_f32(xs, wc.T, z)
                 _bwd_chunk(z, g[:, v0 - g0:v0 - g0 + wc.shape[0]], bias, target, lse, drow, n0, v0,
-                           ignore_index, label_smoothing, vocab, softcap, logit_scale, on_triton)
+                           ignore_index, label_smoothing, vocab, softcap, logit_scale, low, on_triton)
             if need_dx:
                 _addmm_f32_(acc, g, wg)
             if need_dw and n0 == 0:
@@ -323,7 +346,7 @@ def linear_cross_entropy_bwd(
 
 @linear_cross_entropy_bwd.register_fake
 def _(drow, x, weight, bias, target, lse, ignore_index, label_smoothing, softcap, logit_scale,
-      need_dx, need_dw, need_db):
+      eager_rounding, need_dx, need_dw, need_db):
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     dw = torch.empty_like(weight) if need_dw else weight.new_empty(0)
     db = torch.empty_like(bias) if need_db else x.new_empty(0)
@@ -331,9 +354,9 @@ def _(drow, x, weight, bias, target, lse, ignore_index, label_smoothing, softcap
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_scale = inputs
+    x, weight, bias, target, *args = inputs
     ctx.save_for_backward(x, weight, bias, target, output[1])
-    ctx.args = (ignore_index, label_smoothing, softcap, logit_scale)
+    ctx.args = tuple(args)  # ignore_index, label_smoothing, softcap, logit_scale, eager_rounding
     ctx.mark_non_differentiable(output[1])
 
 
@@ -342,10 +365,10 @@ def _backward(ctx, drow, dlse):
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     need_db = need_db and bias is not None
     if drow is None or not (need_dx or need_dw or need_db):
-        return (None,) * 8
+        return (None,) * 9
     dx, dw, db = torch.ops.fxfuse.linear_cross_entropy_bwd(
         drow, x, weight, bias, target, lse, *ctx.args, need_dx, need_dw, need_db)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 5
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 6
 
 
 linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -354,14 +377,17 @@ torch.library.define(
     "fxfuse::linear_cross_entropy",
     "(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index=-100, "
     "str reduction=\"mean\", float label_smoothing=0.0, float softcap=0.0, float logit_scale=1.0, "
-    "str algorithm=\"lean\") -> Tensor",
+    "str algorithm=\"lean\", bool eager_rounding=False) -> Tensor",
 )
 
 
 @torch.library.impl("fxfuse::linear_cross_entropy", "CompositeImplicitAutograd")
 def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0, softcap=0.0, logit_scale=1.0, algorithm="lean"):
-    """0-dim fp32 loss: the fast op if asked for and a gradient is needed, else the lean fwd op."""
+                         label_smoothing=0.0, softcap=0.0, logit_scale=1.0, algorithm="lean",
+                         eager_rounding=False):
+    """0-dim fp32 loss: the fast op if asked for and a gradient is needed, else the lean fwd op.
+    eager_rounding: the logit ops (lm_head output, scale, softcap) and their gradients are rounded to
+    x's dtype where eager rounds them, as the unfused graph computes them in that dtype."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
     if algorithm not in ("fast", "lean"):
@@ -369,10 +395,11 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     need = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     if algorithm == "fast" and torch.is_grad_enabled() and any(need):
         loss, _, _, _ = torch.ops.fxfuse.linear_cross_entropy_fast(
-            x, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, logit_scale, *need)
+            x, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, logit_scale,
+            eager_rounding, *need)
         return loss
     rows, _ = torch.ops.fxfuse.linear_cross_entropy_fwd(
-        x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_scale)
+        x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_scale, eager_rounding)
     if reduction == "sum":
         return rows.sum()
     return rows.sum() / (target != ignore_index).sum()
@@ -388,17 +415,31 @@ def linear_cross_entropy_eager(x, weight, bias, target, ignore_index=-100, reduc
                                              reduction=reduction, label_smoothing=label_smoothing)
 
 
-def _logits_reference(z, bias, v0, softcap, scale):
+def _logits_reference(z, bias, v0, softcap, scale, low=None):
+    """PyTorch twin of _logits: (z, t), rounded to low after each op when low is not None."""
+    rnd = lambda y: round_ref(y, low, low is not None)  # noqa: E731
     if bias is not None:
         z = z + bias[v0:v0 + z.shape[1]].float()
-    z = z * scale
-    return softcap * torch.tanh(z / softcap) if softcap > 0 else z
+    z = rnd(rnd(z) * scale)
+    if softcap <= 0:
+        return z, z
+    t = rnd(torch.tanh(rnd(z / softcap)))
+    return rnd(t * softcap), t
 
 
-def _fwd_chunk_reference(z, bias, target, state, n0, v0, softcap, scale):
+def _dlogits_reference(dz, t, scale, softcap, low=None):
+    """PyTorch twin of _dlogits."""
+    rnd = lambda y: round_ref(y, low, low is not None)  # noqa: E731
+    dz = rnd(dz)
+    if softcap > 0:
+        dz = rnd(rnd(rnd(dz * softcap) * (1.0 - t * t)) / softcap)
+    return dz * scale
+
+
+def _fwd_chunk_reference(z, bias, target, state, n0, v0, softcap, scale, low):
     """PyTorch twin of _lce_fwd_chunk_kernel: folds one chunk into state[:, n0:n0+R]."""
     rows, cols = z.shape
-    z = _logits_reference(z, bias, v0, softcap, scale)
+    z, _ = _logits_reference(z, bias, v0, softcap, scale, low)
     st = state[:, n0:n0 + rows]
     m_new = torch.maximum(st[0], z.amax(1))
     st[1] = st[1] * (st[0] - m_new).exp() + (z - m_new[:, None]).exp().sum(1)
@@ -410,16 +451,15 @@ def _fwd_chunk_reference(z, bias, target, state, n0, v0, softcap, scale):
 
 
 def _bwd_chunk_reference(z, bias, target, lse, drow, n0, v0, ignore_index, on_target, off_target,
-                         softcap, scale):
+                         softcap, scale, low):
     """PyTorch twin of _lce_bwd_chunk_kernel: fp32 grad of one raw logits chunk."""
     rows, cols = z.shape
-    z = _logits_reference(z, bias, v0, softcap, scale)
+    z, th = _logits_reference(z, bias, v0, softcap, scale, low)
     t = target[n0:n0 + rows]
     w = torch.where(t == ignore_index, 0.0, drow[n0:n0 + rows])
     onehot = torch.arange(v0, v0 + cols, device=z.device)[None, :] == t[:, None]
     dz = (z - lse[n0:n0 + rows, None]).exp() - off_target - onehot * on_target
-    dz = dz * w[:, None] * scale
-    return dz * (1.0 - (z / softcap) ** 2) if softcap > 0 else dz
+    return _dlogits_reference(dz * w[:, None], th, scale, softcap, low)
 
 
 from . import linear_cross_entropy_fast  # noqa: E402,F401  registers the fast op (uses helpers above)

@@ -39,7 +39,9 @@ import triton.language as tl
 
 from . import linear_cross_entropy as _lean
 from ._dispatch import no_double_backward, use_triton
-from .linear_cross_entropy import _block, _logits, _logits_reference, _num_warps, _view
+from ._round import rne_by_bits, round_code
+from .linear_cross_entropy import (_block, _dlogits, _dlogits_reference, _logits, _logits_reference,
+                                   _num_warps, _view)
 
 _FAST_BLOCK_BYTES = 64 << 20
 _FAST_MAX_PASSES = 8
@@ -53,7 +55,8 @@ def _lce_fast_rows_kernel(
     loss_ptr,  # [N] fp32 out: row losses (0 on ignored rows)
     w_ptr,  # [1] fp32 per-row weight of the reduction: 1 ("sum") or 1 / count ("mean")
     n0, V, stride_z, ignore_index, scale, softcap, on_target, off_target, smoothing,
-    SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
+    SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0)
     row = n0 + r
@@ -68,7 +71,7 @@ def _lce_fast_rows_kernel(
         cols = v0 + tl.arange(0, BLOCK)
         mask = cols < V
         zr = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-        z = _logits(zr, z_row, cols, mask, scale, softcap, False, SOFTCAP)
+        z, _ = _logits(zr, z_row, cols, mask, scale, softcap, False, SOFTCAP, ROUND, RNE_BY_BITS)
         if SMOOTHING:
             zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
         z = tl.where(mask, z, float("-inf"))
@@ -78,22 +81,21 @@ def _lce_fast_rows_kernel(
     lse = m + tl.log(s)
     # the target logit: one load (a target outside [0, V) is clamped, not checked: no host syncs)
     tc = tl.minimum(tl.maximum(t, 0), V - 1)
-    zt = _logits(tl.load(z_row + tc).to(tl.float32), z_row, tc, True, scale, softcap, False, SOFTCAP)
+    zt, _ = _logits(tl.load(z_row + tc).to(tl.float32), z_row, tc, True, scale, softcap, False, SOFTCAP,
+                    ROUND, RNE_BY_BITS)
     loss = lse - zt
     if SMOOTHING:
         loss = (1.0 - smoothing) * loss + smoothing * (lse - zsum / V)
     tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss))
-    # sweep 2: dzr = w * (softmax - on_target * onehot - off_target) * scale (* softcap factor)
-    w = tl.where(ignored, 0.0, tl.load(w_ptr)) * scale
+    # sweep 2: dzr = w * (softmax - on_target * onehot - off_target) through _logits' chain rule
+    w = tl.where(ignored, 0.0, tl.load(w_ptr))
     for v0 in range(0, V, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
         mask = cols < V
         zr = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-        z = _logits(zr, z_row, cols, mask, scale, softcap, False, SOFTCAP)
-        dz = tl.exp(z - lse) - off_target - tl.where(cols == t, on_target, 0.0)
-        dz = dz * w
-        if SOFTCAP:
-            dz = dz * (1.0 - (z / softcap) * (z / softcap))
+        z, th = _logits(zr, z_row, cols, mask, scale, softcap, False, SOFTCAP, ROUND, RNE_BY_BITS)
+        dz = (tl.exp(z - lse) - off_target - tl.where(cols == t, on_target, 0.0)) * w
+        dz = _dlogits(dz, th, scale, softcap, SOFTCAP, ROUND, RNE_BY_BITS)
         tl.store(z_row + cols, dz.to(z_ptr.dtype.element_ty), mask=mask)
 
 
@@ -112,11 +114,13 @@ def _fast_tile(v: int) -> int:
     return min(triton.next_power_of_2(v), _FAST_TILE)
 
 
-def _fast_rows(z, target, loss_rows, w, n0, ignore_index, smoothing, softcap, scale, on_triton):
-    """One pass's row losses into loss_rows[n0:n0+R]; z (the pass's raw logits) becomes dzr."""
+def _fast_rows(z, target, loss_rows, w, n0, ignore_index, smoothing, softcap, scale, rounding, on_triton):
+    """One pass's row losses into loss_rows[n0:n0+R]; z (the pass's raw logits) becomes dzr;
+    rounding: eager's roundings of the logit ops in z's dtype."""
     rows, vocab = z.shape
     if not on_triton:
-        loss, dz = _fast_rows_reference(z, target[n0:n0 + rows], w, ignore_index, smoothing, softcap, scale)
+        loss, dz = _fast_rows_reference(z, target[n0:n0 + rows], w, ignore_index, smoothing, softcap, scale,
+                                        rounding)
         loss_rows[n0:n0 + rows] = loss
         z.copy_(dz)
         return
@@ -124,7 +128,8 @@ def _fast_rows(z, target, loss_rows, w, n0, ignore_index, smoothing, softcap, sc
     _lce_fast_rows_kernel[(rows,)](
         z, target, loss_rows, w, n0, vocab, z.stride(0), ignore_index, scale, softcap,
         1.0 - smoothing, smoothing / vocab, smoothing,
-        SOFTCAP=softcap > 0, SMOOTHING=smoothing > 0, BLOCK=block, num_warps=_num_warps(block),
+        SOFTCAP=softcap > 0, SMOOTHING=smoothing > 0, ROUND=round_code(z.dtype, rounding),
+        RNE_BY_BITS=rne_by_bits(z.device), BLOCK=block, num_warps=_num_warps(block),
     )
 
 
@@ -132,7 +137,7 @@ def _fast_rows(z, target, loss_rows, w, n0, ignore_index, smoothing, softcap, sc
 def linear_cross_entropy_fast(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
     ignore_index: int, reduction: str, label_smoothing: float, softcap: float, logit_scale: float,
-    need_dx: bool, need_dw: bool, need_db: bool,
+    eager_rounding: bool, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, dx, dweight, dbias) for an upstream gradient of 1; each one not needed is empty."""
     x, weight, target = x.contiguous(), weight.contiguous(), target.contiguous()
@@ -160,7 +165,7 @@ def linear_cross_entropy_fast(
         else:
             torch.mm(xs, weight.T, out=z)
         _fast_rows(z, target, loss_rows, w, n0, ignore_index, label_smoothing, softcap, logit_scale,
-                   on_triton)
+                   eager_rounding, on_triton)
         if need_dx:
             torch.mm(z, weight, out=dx[n0:n0 + rows])
         if need_dw and n0 == 0:
@@ -175,7 +180,7 @@ def linear_cross_entropy_fast(
 
 @linear_cross_entropy_fast.register_fake
 def _(x, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, logit_scale,
-      need_dx, need_dw, need_db):
+      eager_rounding, need_dx, need_dw, need_db):
     dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)
     db = bias.new_empty(bias.shape) if need_db and bias is not None else x.new_empty(0)
@@ -183,7 +188,7 @@ def _(x, weight, bias, target, ignore_index, reduction, label_smoothing, softcap
 
 
 def _setup_context(ctx, inputs, output):
-    bias, need_dx, need_dw, need_db = inputs[2], *inputs[9:]
+    bias, need_dx, need_dw, need_db = inputs[2], *inputs[10:]
     ctx.computed = (need_dx, need_dw, need_db and bias is not None)
     ctx.save_for_backward(*output[1:])
     ctx.mark_non_differentiable(*output[1:])
@@ -193,22 +198,23 @@ def _backward(ctx, dloss, _ddx, _ddw, _ddb):
     grads = ctx.saved_tensors
     wanted = [need and have for need, have in zip(ctx.needs_input_grad[:3], ctx.computed)]
     if dloss is None or not any(wanted):
-        return (None,) * 12
+        return (None,) * 13
     out = [g * dloss if want else None for g, want in zip(grads, wanted)]
     if torch.is_grad_enabled():  # create_graph=True: the precomputed grads have no derivative
         kept = [g for g in out if g is not None]
         it = iter(no_double_backward(torch.ops.fxfuse.linear_cross_entropy_fast.default, tuple(kept)))
         out = [next(it) if g is not None else None for g in out]
-    return (*out,) + (None,) * 9
+    return (*out,) + (None,) * 10
 
 
 linear_cross_entropy_fast.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _fast_rows_reference(z, target, w, ignore_index, smoothing, softcap, scale):
+def _fast_rows_reference(z, target, w, ignore_index, smoothing, softcap, scale, rounding):
     """PyTorch twin of _lce_fast_rows_kernel: (row losses [R] fp32, dzr [R, V] fp32) of one pass."""
     rows, vocab = z.shape
-    z = _logits_reference(z.float(), None, 0, softcap, scale)
+    low = z.dtype if rounding else None
+    z, t = _logits_reference(z.float(), None, 0, softcap, scale, low)
     ignored = target == ignore_index
     lse = z.logsumexp(1)
     zt = z.gather(1, target.clamp(0, vocab - 1)[:, None])[:, 0]
@@ -217,7 +223,5 @@ def _fast_rows_reference(z, target, w, ignore_index, smoothing, softcap, scale):
         loss = (1.0 - smoothing) * loss + smoothing * (lse - z.sum(1) / vocab)
     onehot = torch.arange(vocab, device=z.device)[None, :] == target[:, None]
     dz = (z - lse[:, None]).exp() - smoothing / vocab - onehot * (1.0 - smoothing)
-    dz = dz * (torch.where(ignored, 0.0, w) * scale)[:, None]
-    if softcap > 0:
-        dz = dz * (1.0 - (z / softcap) ** 2)
+    dz = _dlogits_reference(dz * torch.where(ignored, 0.0, w)[:, None], t, scale, softcap, low)
     return torch.where(ignored, 0.0, loss), dz

@@ -4,6 +4,9 @@ Shapes: gate, up: [..., I] (same shape and dtype), viewed as [M, I] rows; out: [
 
 Forward (fp32 math, one rounding to the dtype at the store):
     out = act(g) * u,          g = float32(gate), u = float32(up)
+With round_act (backend option numerics="eager"), act(g) and, in backward, dout * u are rounded to
+the dtype before their products, where eager's F.silu(gate) * up stores them: out, dgate, dup then
+equal eager's own low-precision results.
 
 Backward (act(g) is recomputed from g; only gate and up are saved):
     dgate = dout * u * act'(g)
@@ -31,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import register_autograd, use_triton
+from ._round import round_code, round_ref, round_to
 
 ACTS = ("silu", "gelu", "gelu_tanh")
 _ACT_ID = {name: i for i, name in enumerate(ACTS)}
@@ -88,6 +92,7 @@ def _swiglu_fwd_kernel(
     stride_g,
     stride_u,
     ACT: tl.constexpr,
+    ROUND_ACT: tl.constexpr,  # round act(g) to the dtype before the product (eager's F.silu(g) * u)
     RNE_BY_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -99,6 +104,7 @@ def _swiglu_fwd_kernel(
     g = tl.load(gate_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     a, _ = _act_and_grad(g, ACT, False)
+    a = round_to(a, ROUND_ACT, RNE_BY_BITS)
     tl.store(out_ptr + r64 * I + cols[None, :], _round(a * u, out_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
 
 
@@ -117,6 +123,7 @@ def _swiglu_bwd_kernel(
     ACT: tl.constexpr,
     NEED_DGATE: tl.constexpr,
     NEED_DUP: tl.constexpr,
+    ROUND_ACT: tl.constexpr,  # eager's roundings: act(g) and dout * u stored before their products
     RNE_BY_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -130,9 +137,10 @@ def _swiglu_bwd_kernel(
     a, da = _act_and_grad(g, ACT, NEED_DGATE)
     if NEED_DGATE:
         u = tl.load(up_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dg = dout * u * da
+        dg = round_to(dout * u, ROUND_ACT, RNE_BY_BITS) * da
         tl.store(dgate_ptr + r64 * I + cols[None, :], _round(dg, dgate_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
     if NEED_DUP:
+        a = round_to(a, ROUND_ACT, RNE_BY_BITS)
         tl.store(dup_ptr + r64 * I + cols[None, :], _round(dout * a, dup_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
 
 
@@ -207,18 +215,19 @@ def _on_triton(t: torch.Tensor) -> bool:
 
 
 _lib = torch.library.Library("fxfuse", "FRAGMENT")
-_lib.define("swiglu(Tensor gate, Tensor up, str act) -> Tensor")
+_lib.define("swiglu(Tensor gate, Tensor up, str act, bool round_act=False) -> Tensor")
 _lib.define(
-    "swiglu_backward(Tensor grad_out, Tensor gate, Tensor up, str act, bool need_dgate, bool need_dup)"
-    " -> (Tensor, Tensor)"
+    "swiglu_backward(Tensor grad_out, Tensor gate, Tensor up, str act, bool need_dgate, bool need_dup, "
+    "bool round_act=False) -> (Tensor, Tensor)"
 )
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
-    """act(gate) * up with fp32 math; gate, up: [..., I] same shape/dtype; out: contiguous [..., I]."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = False) -> torch.Tensor:
+    """act(gate) * up with fp32 math; gate, up: [..., I] same shape/dtype; out: contiguous [..., I].
+    round_act: act(gate) is rounded to the dtype before the product, as eager's two ops do."""
     act_id = _check_args(gate, up, act)
     if not _on_triton(gate):
-        return _swiglu_reference(gate, up, act)
+        return _swiglu_reference(gate, up, act, round_act)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
@@ -228,18 +237,20 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
     grid, bm, bn, num_warps = _launch_config(m, n, act_id)
     _swiglu_fwd_kernel[grid](
         g2, u2, out, m, n, sg, su,
-        ACT=act_id, RNE_BY_BITS=_rne_by_bits(out), BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
+        ACT=act_id, ROUND_ACT=round_code(gate.dtype, round_act), RNE_BY_BITS=_rne_by_bits(out),
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
     )
     return out
 
 
 def swiglu_backward(
-    grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str, need_dgate: bool, need_dup: bool
+    grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str, need_dgate: bool, need_dup: bool,
+    round_act: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dgate, dup), each [..., I] contiguous; a gradient not asked for comes back as an empty [0] tensor."""
     act_id = _check_act(act)
     if not _on_triton(gate):
-        return _swiglu_backward_reference(grad_out, gate, up, act, need_dgate, need_dup)
+        return _swiglu_backward_reference(grad_out, gate, up, act, need_dgate, need_dup, round_act)
     dgate = torch.empty(gate.shape if need_dgate else (0,), dtype=gate.dtype, device=gate.device)
     dup = torch.empty(gate.shape if need_dup else (0,), dtype=gate.dtype, device=gate.device)
     if gate.numel() == 0 or not (need_dgate or need_dup):
@@ -251,7 +262,8 @@ def swiglu_backward(
     grid, bm, bn, num_warps = _launch_config(m, n, act_id)
     _swiglu_bwd_kernel[grid](
         d2, g2, u2, dgate, dup, m, n, sd, sg, su,
-        ACT=act_id, NEED_DGATE=need_dgate, NEED_DUP=need_dup, RNE_BY_BITS=_rne_by_bits(gate),
+        ACT=act_id, NEED_DGATE=need_dgate, NEED_DUP=need_dup, ROUND_ACT=round_code(gate.dtype, round_act),
+        RNE_BY_BITS=_rne_by_bits(gate),
         BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
     )
     return dgate, dup
@@ -266,13 +278,13 @@ for _key in ("CPU", "CUDA"):
 
 
 @torch.library.register_fake("fxfuse::swiglu", lib=_lib)
-def _(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+def _(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = False) -> torch.Tensor:
     _check_args(gate, up, act)
     return gate.new_empty(gate.shape)
 
 
 @torch.library.register_fake("fxfuse::swiglu_backward", lib=_lib)
-def _(grad_out, gate, up, act, need_dgate, need_dup):
+def _(grad_out, gate, up, act, need_dgate, need_dup, round_act=False):
     _check_act(act)
     return gate.new_empty(gate.shape if need_dgate else (0,)), gate.new_empty(gate.shape if need_dup else (0,))
 
@@ -285,20 +297,20 @@ class _SwiGLUFunction(torch.autograd.Function):
     """Autograd of fxfuse::swiglu; saves only gate and up (act(gate) is recomputed in backward)."""
 
     @staticmethod
-    def forward(ctx, gate, up, act):
+    def forward(ctx, gate, up, act, round_act=False):
         ctx.save_for_backward(gate, up)
-        ctx.act = act
+        ctx.act, ctx.round_act = act, round_act
         with torch._C._AutoDispatchBelowAutograd():
-            return _SWIGLU(gate, up, act)
+            return _SWIGLU(gate, up, act, round_act)
 
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
         need_dgate, need_dup = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dgate or need_dup):
-            return None, None, None
-        dgate, dup = _SWIGLU_BACKWARD(grad_out, gate, up, ctx.act, need_dgate, need_dup)
-        return (dgate if need_dgate else None), (dup if need_dup else None), None
+            return None, None, None, None
+        dgate, dup = _SWIGLU_BACKWARD(grad_out, gate, up, ctx.act, need_dgate, need_dup, ctx.round_act)
+        return (dgate if need_dgate else None), (dup if need_dup else None), None, None
 
 
 register_autograd(_lib, "swiglu", _SWIGLU, _SwiGLUFunction)
@@ -322,17 +334,18 @@ def _act_grad_ref(g: torch.Tensor, act: str) -> torch.Tensor:
     return 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * c * (1.0 + 3.0 * k * g2)
 
 
-def _swiglu_reference(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
-    """act(gate) * up in fp32 (fp64 stays fp64), rounded once; contiguous output."""
+def _swiglu_reference(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = False) -> torch.Tensor:
+    """act(gate) * up in fp32 (fp64 stays fp64), rounded once (twice with round_act); contiguous output."""
     wide = torch.promote_types(gate.dtype, torch.float32)
-    out = _act_ref(gate.to(wide), act) * up.to(wide)
+    out = round_ref(_act_ref(gate.to(wide), act), gate.dtype, round_act) * up.to(wide)
     return out.to(gate.dtype).contiguous()
 
 
-def _swiglu_backward_reference(grad_out, gate, up, act, need_dgate, need_dup):
+def _swiglu_backward_reference(grad_out, gate, up, act, need_dgate, need_dup, round_act=False):
     wide = torch.promote_types(gate.dtype, torch.float32)
     d, g, u = grad_out.to(wide), gate.to(wide), up.to(wide)
+    rnd = lambda y: round_ref(y, gate.dtype, round_act)  # noqa: E731
     empty = gate.new_empty(0)
-    dgate = (d * u * _act_grad_ref(g, act)).to(gate.dtype).contiguous() if need_dgate else empty
-    dup = (d * _act_ref(g, act)).to(gate.dtype).contiguous() if need_dup else empty
+    dgate = (rnd(d * u) * _act_grad_ref(g, act)).to(gate.dtype).contiguous() if need_dgate else empty
+    dup = (d * rnd(_act_ref(g, act))).to(gate.dtype).contiguous() if need_dup else empty
     return dgate, dup

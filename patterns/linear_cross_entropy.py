@@ -136,7 +136,7 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
     s = m.scalars
     loss = call(torch.ops.fxfuse.linear_cross_entropy.default, (
         x, w, b, target, int(s["ignore_index"]), REDUCTIONS[s["reduction"]], float(s["label_smoothing"]),
-        float(s.get("softcap", 0.0)), _logit_scale(s), opts.loss_head_algorithm()))
+        float(s.get("softcap", 0.0)), _logit_scale(s), opts.loss_head_algorithm(), opts.eager_rounding))
     out_dtype = val(m.anchor).dtype
     return loss if out_dtype == torch.float32 else call(aten.to.dtype, (loss, out_dtype))
 

@@ -55,7 +55,8 @@ def check(m) -> str | None:
 def lower(m, graph: fx.Graph, opts) -> fx.Node:
     import fxfuse.kernels.swiglu  # noqa: F401  registers torch.ops.fxfuse.swiglu
 
-    return graph.call_function(torch.ops.fxfuse.swiglu.default, (m.inputs["gate"], m.inputs["up"], m.consts["act"]))
+    return graph.call_function(torch.ops.fxfuse.swiglu.default,
+                               (m.inputs["gate"], m.inputs["up"], m.consts["act"], opts.eager_rounding))
 
 
 def _is_candidate(n: fx.Node) -> bool:

@@ -129,9 +129,9 @@ def test_frozen_input(algo, frozen):
 
 def test_bwd_skips_unneeded_grads():
     x, w, b, t = _inputs(37, 24, 211, torch.float32, True)
-    rows, lse = torch.ops.fxfuse.linear_cross_entropy_fwd(x, w, b, t, -100, 0.0, 0.0, 1.0)
+    rows, lse = torch.ops.fxfuse.linear_cross_entropy_fwd(x, w, b, t, -100, 0.0, 0.0, 1.0, False)
     dx, dw, db = torch.ops.fxfuse.linear_cross_entropy_bwd(
-        torch.ones_like(rows), x, w, b, t, lse, -100, 0.0, 0.0, 1.0, True, False, False)
+        torch.ones_like(rows), x, w, b, t, lse, -100, 0.0, 0.0, 1.0, False, True, False, False)
     assert dx.shape == x.shape and dw.numel() == 0 and db.numel() == 0
     x.requires_grad_()
     EAGER(x, w, b, t, -100, "sum").backward()
@@ -140,7 +140,7 @@ def test_bwd_skips_unneeded_grads():
 
 def test_fast_op_skips_unneeded_grads():
     x, w, b, t = _inputs(37, 24, 211, torch.float32, True)
-    loss, dx, dw, db = FAST(x, w, b, t, -100, "sum", 0.0, 0.0, 1.0, False, True, False)
+    loss, dx, dw, db = FAST(x, w, b, t, -100, "sum", 0.0, 0.0, 1.0, False, False, True, False)
     assert dx.numel() == 0 and dw.shape == w.shape and db.numel() == 0
     w.requires_grad_()
     ref = EAGER(x, w, b, t, -100, "sum")
@@ -149,14 +149,15 @@ def test_fast_op_skips_unneeded_grads():
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("chunks", [(64, 128, 256), (8, 128, 128)], ids=["1pass", "8passes"])
-def test_low_precision_vs_fp64(monkeypatch, dtype, chunks, algo):
+@pytest.mark.parametrize("rounding", [False, True], ids=["fp32", "eager_rounding"])
+def test_low_precision_vs_fp64(monkeypatch, dtype, chunks, algo, rounding):
     """Error of loss and each grad vs an fp64 reference is <= 2x eager's own error in dtype.
     8passes: dW is rounded to dtype after each of 8 row passes (the bf16 accumulation cost)."""
     monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", chunks)
     x, w, b, t = _inputs(64, 64, 300, dtype, True, logit_std=4.0)
     args = (-100, "mean", 0.1, 0.0, 1.0)
     ref = _fwd_bwd(EAGER, x.double(), w.double(), b.double(), t, *args)
-    got = _fwd_bwd(_op(algo), x, w, b, t, *args)
+    got = _fwd_bwd(lambda *a: OP(*a, algo, rounding), x, w, b, t, *args)
     eager = _fwd_bwd(EAGER, x, w, b, t, *args)
     for name, g, e, r in zip(["loss", "dx", "dw", "db"], got, eager, ref):
         assert g.dtype == e.dtype
@@ -261,16 +262,34 @@ def test_chunk_plan_budgets(monkeypatch):
     assert lce._cols_per_group(37, 211, 211, 4) == 211
 
 
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("softcap,scale,std", [(30.0, 1.0, 40.0), (0.0, 0.5, 4.0), (0.0, 1.0, 4.0)],
+                         ids=["softcap", "scale", "plain"])
+def test_eager_rounding_matches_eager(monkeypatch, dtype, algo, softcap, scale, std):
+    """eager_rounding=True rounds each logit op (lm_head output, scale, z / c, tanh, * c) and each of
+    their gradients where eager's low-precision ops store them: loss and every gradient then equal
+    eager's own in dtype (to fp32 summation order; one row pass, so dW is rounded once as eager's).
+    Without it the fused head differs from eager by a bf16 rounding of the logits' gradient (~1e-2)."""
+    monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", (64, 128, 256))
+    x, w, b, t = _inputs(37, 64, 300, dtype, True, logit_std=std)
+    args = (-100, "mean", 0.1, softcap, scale)
+    got = _fwd_bwd(lambda *a: OP(*a, algo, True), x, w, b, t, *args)
+    eager = _fwd_bwd(EAGER, x, w, b, t, *args)
+    for name, g, e in zip(["loss", "dx", "dw", "db"], got, eager):
+        assert _rel(g, e) < 2e-4, name
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_opcheck(bias):
     x, w, b, t = _inputs(37, 24, 211, torch.float32, bias)
     x.requires_grad_()
     w.requires_grad_()
-    torch.library.opcheck(torch.ops.fxfuse.linear_cross_entropy_fwd, (x, w, b, t, -100, 0.1, 2.0, 1.0))
-    rows, lse = torch.ops.fxfuse.linear_cross_entropy_fwd(x, w, b, t, -100, 0.1, 2.0, 1.0)
+    torch.library.opcheck(torch.ops.fxfuse.linear_cross_entropy_fwd, (x, w, b, t, -100, 0.1, 2.0, 1.0, False))
+    rows, lse = torch.ops.fxfuse.linear_cross_entropy_fwd(x, w, b, t, -100, 0.1, 2.0, 1.0, False)
     torch.library.opcheck(torch.ops.fxfuse.linear_cross_entropy_bwd,
                           (torch.rand_like(rows), x.detach(), w.detach(), b, t, lse.detach(), -100, 0.1,
-                           2.0, 1.0, True, True, bias))
+                           2.0, 1.0, False, True, True, bias))
 
 
 @pytest.mark.parametrize("bias,red", [(False, "mean"), (True, "sum")])
@@ -278,8 +297,8 @@ def test_opcheck_fast(bias, red):
     x, w, b, t = _inputs(37, 24, 211, torch.float32, bias)
     x.requires_grad_()
     w.requires_grad_()
-    torch.library.opcheck(FAST, (x, w, b, t, -100, red, 0.1, 2.0, 1.0, True, True, bias))
-    torch.library.opcheck(FAST, (x, w, b, t, 7, red, 0.0, 0.0, 0.5, False, True, False))
+    torch.library.opcheck(FAST, (x, w, b, t, -100, red, 0.1, 2.0, 1.0, False, True, True, bias))
+    torch.library.opcheck(FAST, (x, w, b, t, 7, red, 0.0, 0.0, 0.5, True, False, True, False))
 
 
 @pytest.mark.parametrize("algo", ALGOS)

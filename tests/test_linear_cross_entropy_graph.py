@@ -178,9 +178,12 @@ def test_loss_head_option_selects_the_fast_algorithm_with_parity():
         return gm
 
     torch.compile(hf_model("llama"), backend=capture)(**inputs)
-    for opts, want in (({"loss_head": "fast"}, ("fast",)), ({"loss_head": "lean"}, ("lean",)), ({}, ("fast",)),
-                       ({"inner": "aot_eager"}, ("lean",)), ({"inner": "aot_eager", "loss_head": "fast"}, ("fast",))):
-        gm, _ = transform(captured["gm"], captured["ex"], Options.parse(opts))  # default 'auto': fast under inductor
+    # (algorithm, eager_rounding): default 'auto' is fast under inductor; numerics 'eager' rounds
+    for opts, want in (({"loss_head": "fast"}, ("fast", True)), ({"loss_head": "lean"}, ("lean", True)),
+                       ({}, ("fast", True)), ({"inner": "aot_eager"}, ("lean", True)),
+                       ({"inner": "aot_eager", "loss_head": "fast"}, ("fast", True)),
+                       ({"numerics": "fp32"}, ("fast", False))):
+        gm, _ = transform(captured["gm"], captured["ex"], Options.parse(opts))
         (call,) = [n for n in gm.graph.nodes if str(n.target) == "fxfuse.linear_cross_entropy.default"]
         assert tuple(call.args[9:]) == want
     with pytest.raises(ValueError, match="loss_head"):
