@@ -18,6 +18,9 @@ to_x_dtype rounding of the cast_before_weight path is treated as identity, as au
     g   = float32(dy) * w'                                         [M, D]
     dx  = rstd * (g - xhat * sum(g * xhat) / D)                     [M, D], x.dtype
     dw  = sum over rows of float32(dy) * xhat                       [D], weight.dtype
+With eager_rounding (backend option numerics="eager") on the cast_before_weight path, g and each
+dw term are rounded to dy's dtype as eager's bf16 ``w * xhat.to(dtype)`` backward stores them:
+    g = rnd(float32(dy) * w'),   dw = sum over rows of rnd(float32(dy) * rnd(xhat))
 dw is reduced without atomics: each program of the persistent backward grid keeps an fp32 [D]
 partial sum in registers over its rows and writes it to partial[pid, :]; a second small kernel
 sums the [P, D] partials over P and rounds to weight.dtype.
@@ -40,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import no_double_backward, register_autograd, use_triton
+from ._round import rne_by_bits, round_code, round_ref, round_to
 
 _MAX_BLOCK_N = 65536
 # dw reduction of the [P, D] partials: a [32, 128] fp32 tile per step, D / 128 programs.
@@ -116,6 +120,8 @@ def _rms_norm_bwd_kernel(
     offset,
     HAS_WEIGHT: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
+    ROUND: tl.constexpr,  # eager's roundings of w * xhat.to(dtype)'s grads: dy * w and dy * xhat
+    RNE_BY_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -139,7 +145,7 @@ def _rms_norm_bwd_kernel(
         rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
         xhat = xf * rstd[:, None]
         if HAS_WEIGHT:
-            g = dyf * w[None, :]
+            g = round_to(dyf * w[None, :], ROUND, RNE_BY_BITS)
         else:
             g = dyf
         c = tl.sum(g * xhat, axis=1) / D
@@ -147,7 +153,7 @@ def _rms_norm_bwd_kernel(
         dx = _round_fp32(dx, dx_ptr.dtype.element_ty).to(dx_ptr.dtype.element_ty)
         tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx, mask=mask)
         if COMPUTE_DW:
-            dw_acc += dyf * xhat
+            dw_acc += round_to(dyf * round_to(xhat, ROUND, RNE_BY_BITS), ROUND, RNE_BY_BITS)
 
     if COMPUTE_DW:
         tl.store(dw_partial_ptr + pid.to(tl.int64) * D + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
@@ -267,13 +273,13 @@ def _fits_triton(x: torch.Tensor) -> bool:
 
 _lib = torch.library.Library("fxfuse", "FRAGMENT")
 _lib.define(
-    "rms_norm(Tensor x, Tensor? weight, float eps, float offset, bool cast_before_weight, ScalarType out_dtype)"
-    " -> Tensor",
+    "rms_norm(Tensor x, Tensor? weight, float eps, float offset, bool cast_before_weight, ScalarType out_dtype, "
+    "bool eager_rounding=False) -> Tensor",
     tags=(torch.Tag.pt2_compliant_tag,),
 )
 _lib.define(
-    "rms_norm_backward(Tensor dy, Tensor x, Tensor? weight, float eps, float offset, bool compute_dw)"
-    " -> (Tensor, Tensor)",
+    "rms_norm_backward(Tensor dy, Tensor x, Tensor? weight, float eps, float offset, bool compute_dw, "
+    "bool eager_rounding=False) -> (Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,),
 )
 
@@ -285,8 +291,9 @@ def _rms_norm(
     offset: float,
     cast_before_weight: bool,
     out_dtype: torch.dtype,
+    eager_rounding: bool = False,
 ) -> torch.Tensor:
-    """y [x.shape] out_dtype, contiguous (module doc)."""
+    """y [x.shape] out_dtype, contiguous (module doc); eager_rounding only changes the backward."""
     if not _fits_triton(x):
         return rms_norm_reference(x, weight, eps, offset, cast_before_weight, out_dtype)
     x2 = _rows(x)
@@ -309,11 +316,13 @@ def _rms_norm_backward(
     eps: float,
     offset: float,
     compute_dw: bool,
+    eager_rounding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx [x.shape] x.dtype, dw [D] weight.dtype); dw is an empty [0] tensor unless compute_dw."""
+    """(dx [x.shape] x.dtype, dw [D] weight.dtype); dw is an empty [0] tensor unless compute_dw.
+    eager_rounding: the grads of ``w * xhat.to(dtype)`` round as eager's product (dy's dtype)."""
     compute_dw = compute_dw and weight is not None
     if not _fits_triton(x):
-        dx, dw = _rms_norm_backward_reference(dy, x, weight, eps, offset, compute_dw)
+        dx, dw = _rms_norm_backward_reference(dy, x, weight, eps, offset, compute_dw, eager_rounding)
         return dx, dw if compute_dw else x.new_empty((0,))
     x2 = _rows(x)
     m, d = x2.shape
@@ -324,8 +333,9 @@ def _rms_norm_backward(
     w = weight.contiguous() if weight is not None else x2
     _rms_norm_bwd_kernel[(grid,)](
         dy2, x2, w, dx, partial, m, d, x2.stride(0), eps, offset,
-        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_STAGES=_bwd_num_stages(), num_warps=num_warps,
+        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
+        ROUND=round_code(dy.dtype, eager_rounding and weight is not None), RNE_BY_BITS=rne_by_bits(x.device),
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=_bwd_num_stages(), num_warps=num_warps,
     )
     if not compute_dw:
         return dx, x.new_empty((0,))
@@ -343,12 +353,12 @@ _lib.impl("rms_norm_backward", _rms_norm_backward, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("fxfuse::rms_norm", lib=_lib)
-def _(x, weight, eps, offset, cast_before_weight, out_dtype):
+def _(x, weight, eps, offset, cast_before_weight, out_dtype, eager_rounding=False):
     return x.new_empty(x.shape, dtype=out_dtype)
 
 
 @torch.library.register_fake("fxfuse::rms_norm_backward", lib=_lib)
-def _(dy, x, weight, eps, offset, compute_dw):
+def _(dy, x, weight, eps, offset, compute_dw, eager_rounding=False):
     dx = x.new_empty(x.shape)
     if compute_dw and weight is not None:
         return dx, weight.new_empty(weight.shape)
@@ -363,24 +373,25 @@ class _RMSNormFunction(torch.autograd.Function):
     """Autograd of fxfuse::rms_norm; saves x and weight (rstd is recomputed in backward)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, offset, cast_before_weight, out_dtype):
+    def forward(ctx, x, weight, eps, offset, cast_before_weight, out_dtype, eager_rounding=False):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
         ctx.offset = offset
+        ctx.eager_rounding = eager_rounding and cast_before_weight  # Gemma's fp32 math rounds once
         with torch._C._AutoDispatchBelowAutograd():
-            return _RMS_NORM(x, weight, eps, offset, cast_before_weight, out_dtype)
+            return _RMS_NORM(x, weight, eps, offset, cast_before_weight, out_dtype, eager_rounding)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dx or need_dw):
-            return None, None, None, None, None, None
-        dx, dw = _RMS_NORM_BACKWARD(grad, x, weight, ctx.eps, ctx.offset, need_dw)
+            return None, None, None, None, None, None, None
+        dx, dw = _RMS_NORM_BACKWARD(grad, x, weight, ctx.eps, ctx.offset, need_dw, ctx.eager_rounding)
         if torch.is_grad_enabled() and (grad.requires_grad or x.requires_grad
                                         or (weight is not None and weight.requires_grad)):
             dx, dw = no_double_backward(_RMS_NORM_BACKWARD, (dx, dw))
-        return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
+        return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None, None
 
 
 register_autograd(_lib, "rms_norm", _RMS_NORM, _RMSNormFunction)
@@ -408,13 +419,14 @@ def rms_norm_reference(
     return y.to(out_dtype)
 
 
-def _rms_norm_backward_reference(dy, x, weight, eps, offset, compute_dw):
+def _rms_norm_backward_reference(dy, x, weight, eps, offset, compute_dw, eager_rounding=False):
     """Closed-form fp32 backward matching the kernel (rounding of the cast path as identity)."""
+    rnd = lambda y: round_ref(y, dy.dtype, eager_rounding and weight is not None)  # noqa: E731
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     xhat = xf * rstd
     dyf = dy.float()
-    g = dyf * (weight.float() + offset) if weight is not None else dyf
+    g = rnd(dyf * (weight.float() + offset)) if weight is not None else dyf
     dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-    dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if compute_dw else None
+    dw = rnd(dyf * rnd(xhat)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if compute_dw else None
     return dx.to(x.dtype), dw

@@ -2,7 +2,9 @@
 
 Shapes: q [B, Hq, T, D] or [B, T, Hq, D] (any strides), k the same layout with Hk <= Hq heads,
 D even. cos, sin: rank 4, last dim r = rotary_dim (even, <= D), every other dim equal to q's or 1
-(broadcast; the head dim must be 1 when Hk < Hq). fp32 math, one rounding to the output dtype.
+(broadcast; the head dim must be 1 when Hk < Hq). fp32 math, one rounding to the output dtype;
+with round_products (backend option numerics="eager" on a rotation the graph computes in bf16 /
+fp16) each product below is rounded to that dtype before the sum, as eager's three ops store them.
 
 Forward, per channel i < r, with partner p(i) and sign s(i):
     out[i] = x[i] * cos[i] + s(i) * x[p(i)] * sin[i]          out[i] = x[i] for i >= r
@@ -31,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import no_double_backward, register_autograd, use_triton
+from ._round import round_code, round_ref, round_to
 
 
 @triton.jit
@@ -52,7 +55,8 @@ def _rope_rows(
     M, I1, I2,  # rows per position; sizes of the broadcast dims (1 on the others), I0 = M / (I1 I2)
     sx0, sx1, sx2, sxd, so0, so1, so2,
     D: tl.constexpr, R: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
-    RNE_BY_HAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    ROUND: tl.constexpr, RNE_BY_HAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     """Rotates the M rows of x that share position (c0, c1, c2) into o."""
     HALF: tl.constexpr = BLOCK_R // 2
@@ -76,12 +80,13 @@ def _rope_rows(
             m = row_ok & (j < R // 2)
             xa = tl.load(x_row + j * sxd, mask=m, other=0.0).to(tl.float32)
             xb = tl.load(x_row + (j + R // 2) * sxd, mask=m, other=0.0).to(tl.float32)
+        # ROUND: each product rounded before the sum, as eager's x * cos + rotate_half(x) * sin
         if BACKWARD:
-            oa = xa * ca + xb * sb
-            ob = xb * cb - xa * sa
+            oa = round_to(xa * ca, ROUND, RNE_BY_HAND) + round_to(xb * sb, ROUND, RNE_BY_HAND)
+            ob = round_to(xb * cb, ROUND, RNE_BY_HAND) - round_to(xa * sa, ROUND, RNE_BY_HAND)
         else:
-            oa = xa * ca - xb * sa
-            ob = xb * cb + xa * sb
+            oa = round_to(xa * ca, ROUND, RNE_BY_HAND) - round_to(xb * sa, ROUND, RNE_BY_HAND)
+            ob = round_to(xb * cb, ROUND, RNE_BY_HAND) + round_to(xa * sb, ROUND, RNE_BY_HAND)
         if INTERLEAVED:
             o = tl.reshape(tl.join(oa, ob), [BLOCK_M, BLOCK_R])
             tl.store(o_row + jr, _to_out(o, o_ptr, RNE_BY_HAND), mask=m)
@@ -104,7 +109,7 @@ def _rope_kernel(
     Mk, Ik1, Ik2, sk0, sk1, sk2, skd, sko0, sko1, sko2,
     C1, C2, cs0, cs1, cs2, csd, ss0, ss1, ss2, ssd,
     D: tl.constexpr, R: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
-    RNE_BY_HAND: tl.constexpr, BLOCK_MQ: tl.constexpr, BLOCK_MK: tl.constexpr,
+    ROUND: tl.constexpr, RNE_BY_HAND: tl.constexpr, BLOCK_MQ: tl.constexpr, BLOCK_MK: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """Program = one cos position: its Mq rows of q, then its Mk rows of k (0 rows = absent)."""
@@ -127,9 +132,9 @@ def _rope_kernel(
     sa = tl.load(s_pos + ja * ssd, mask=mr, other=0.0).to(tl.float32)
     sb = tl.load(s_pos + jb * ssd, mask=mr, other=0.0).to(tl.float32)
     _rope_rows(q_ptr, qo_ptr, ca, cb, sa, sb, c0, c1, c2, Mq, Iq1, Iq2, sq0, sq1, sq2, sqd,
-               sqo0, sqo1, sqo2, D, R, INTERLEAVED, BACKWARD, RNE_BY_HAND, BLOCK_MQ, BLOCK_R, BLOCK_P)
+               sqo0, sqo1, sqo2, D, R, INTERLEAVED, BACKWARD, ROUND, RNE_BY_HAND, BLOCK_MQ, BLOCK_R, BLOCK_P)
     _rope_rows(k_ptr, ko_ptr, ca, cb, sa, sb, c0, c1, c2, Mk, Ik1, Ik2, sk0, sk1, sk2, skd,
-               sko0, sko1, sko2, D, R, INTERLEAVED, BACKWARD, RNE_BY_HAND, BLOCK_MK, BLOCK_R, BLOCK_P)
+               sko0, sko1, sko2, D, R, INTERLEAVED, BACKWARD, ROUND, RNE_BY_HAND, BLOCK_MK, BLOCK_R, BLOCK_P)
 
 
 def _next_pow2(n: int) -> int:
@@ -189,13 +194,13 @@ def _row_args(x, o, cos_shape, stand_in) -> tuple:
     return (x, o, i0 * i1 * i2, i1, i2, *x.stride(), o0, o1, o2)
 
 
-def _launch(q, k, cos, sin, interleaved: bool, rotary_dim: int, backward: bool):
+def _launch(q, k, cos, sin, interleaved: bool, rotary_dim: int, backward: bool, round_products: bool):
     """Runs the kernel on q and/or k (None = absent); returns new contiguous outputs (or None)."""
     x0 = q if q is not None else k
     device = x0.device
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):  # Triton launches on the current device
-            return _launch(q, k, cos, sin, interleaved, rotary_dim, backward)
+            return _launch(q, k, cos, sin, interleaved, rotary_dim, backward, round_products)
     qo = None if q is None else torch.empty(q.shape, dtype=q.dtype, device=device)
     ko = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=device)
     cs = cos.shape
@@ -208,7 +213,7 @@ def _launch(q, k, cos, sin, interleaved: bool, rotary_dim: int, backward: bool):
         qa[0], qa[1], ka[0], ka[1], cos, sin, *qa[2:], *ka[2:],
         cs[1], cs[2], *cos.stride(), *sin.stride(),
         D=x0.shape[-1], R=rotary_dim, INTERLEAVED=interleaved, BACKWARD=backward,
-        RNE_BY_HAND=_rne_by_hand(device), BLOCK_MQ=block_mq, BLOCK_MK=block_mk,
+        ROUND=round_code(x0.dtype, round_products), RNE_BY_HAND=_rne_by_hand(device), BLOCK_MQ=block_mq, BLOCK_MK=block_mk,
         BLOCK_R=block_r, BLOCK_P=block_p, num_warps=num_warps,
     )
     return qo, ko
@@ -216,38 +221,40 @@ def _launch(q, k, cos, sin, interleaved: bool, rotary_dim: int, backward: bool):
 
 _lib = torch.library.Library("fxfuse", "FRAGMENT")
 _lib.define(
-    "rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, SymInt rotary_dim) -> (Tensor, Tensor)",
+    "rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, SymInt rotary_dim, "
+    "bool round_products=False) -> (Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,),
 )
 _lib.define(
-    "rope_bwd(Tensor? dq, Tensor? dk, Tensor cos, Tensor sin, bool interleaved, SymInt rotary_dim)"
-    " -> (Tensor, Tensor)",
+    "rope_bwd(Tensor? dq, Tensor? dk, Tensor cos, Tensor sin, bool interleaved, SymInt rotary_dim, "
+    "bool round_products=False) -> (Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,),
 )
 
 
 def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-          interleaved: bool, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+          interleaved: bool, rotary_dim: int, round_products: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q', k'): q and k rotated by cos/sin on their first rotary_dim channels (module doc)."""
     _check(q, k, cos, sin, rotary_dim)
     if q.is_cuda or use_triton(q):
-        return _launch(q, k, cos, sin, interleaved, rotary_dim, backward=False)
-    qo, ko = rope_reference(q, k, cos, sin, interleaved, rotary_dim)
+        return _launch(q, k, cos, sin, interleaved, rotary_dim, False, round_products)
+    qo, ko = rope_reference(q, k, cos, sin, interleaved, rotary_dim, round_products)
     return qo.contiguous(), ko.contiguous()
 
 
 def _rope_bwd(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], cos: torch.Tensor,
-              sin: torch.Tensor, interleaved: bool, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+              sin: torch.Tensor, interleaved: bool, rotary_dim: int,
+              round_products: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dk) from the output grads; an absent (None) grad gives an empty [0] tensor."""
     ref = dq if dq is not None else dk
     if ref is None:
         raise ValueError("fxfuse.rope_bwd: dq and dk are both None")
     _check(ref, dk if dk is not None else ref, cos, sin, rotary_dim)
     if ref.is_cuda or use_triton(ref):
-        dq, dk = _launch(dq, dk, cos, sin, interleaved, rotary_dim, backward=True)
+        dq, dk = _launch(dq, dk, cos, sin, interleaved, rotary_dim, True, round_products)
     else:
-        dq = None if dq is None else _rotate_reference(dq, cos, sin, interleaved, rotary_dim, True).contiguous()
-        dk = None if dk is None else _rotate_reference(dk, cos, sin, interleaved, rotary_dim, True).contiguous()
+        dq, dk = (None if g is None else _rotate_reference(g, cos, sin, interleaved, rotary_dim, True,
+                                                           round_products).contiguous() for g in (dq, dk))
     return (cos.new_empty(0) if dq is None else dq), (cos.new_empty(0) if dk is None else dk)
 
 
@@ -259,12 +266,12 @@ _lib.impl("rope_bwd", _rope_bwd, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("fxfuse::rope", lib=_lib)
-def _(q, k, cos, sin, interleaved, rotary_dim):
+def _(q, k, cos, sin, interleaved, rotary_dim, round_products=False):
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 @torch.library.register_fake("fxfuse::rope_bwd", lib=_lib)
-def _(dq, dk, cos, sin, interleaved, rotary_dim):
+def _(dq, dk, cos, sin, interleaved, rotary_dim, round_products=False):
     return tuple(cos.new_empty(0) if g is None else g.new_empty(g.shape) for g in (dq, dk))
 
 
@@ -276,12 +283,13 @@ class _RopeFunction(torch.autograd.Function):
     """Autograd of fxfuse::rope; saves cos and sin only (the rotation is linear in q, k)."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, interleaved, rotary_dim):
+    def forward(ctx, q, k, cos, sin, interleaved, rotary_dim, round_products=False):
         ctx.save_for_backward(cos, sin)
         ctx.interleaved = interleaved
         ctx.rotary_dim = rotary_dim
+        ctx.round_products = round_products
         with torch._C._AutoDispatchBelowAutograd():
-            return _ROPE(q, k, cos, sin, interleaved, rotary_dim)
+            return _ROPE(q, k, cos, sin, interleaved, rotary_dim, round_products)
 
     @staticmethod
     def backward(ctx, dq_out, dk_out):
@@ -291,13 +299,13 @@ class _RopeFunction(torch.autograd.Function):
         dq_out = dq_out if ctx.needs_input_grad[0] else None
         dk_out = dk_out if ctx.needs_input_grad[1] else None
         if dq_out is None and dk_out is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         cos, sin = ctx.saved_tensors
-        dq, dk = _ROPE_BWD(dq_out, dk_out, cos, sin, ctx.interleaved, ctx.rotary_dim)
+        dq, dk = _ROPE_BWD(dq_out, dk_out, cos, sin, ctx.interleaved, ctx.rotary_dim, ctx.round_products)
         if torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in (dq_out, dk_out)):
             dq, dk = no_double_backward(_ROPE_BWD, (dq, dk))
         return (dq if dq_out is not None else None, dk if dk_out is not None else None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 register_autograd(_lib, "rope", _ROPE, _RopeFunction)
@@ -319,19 +327,22 @@ def _signed_partner(y: torch.Tensor, interleaved: bool, backward: bool) -> torch
     return torch.cat((b, -a) if backward else (-b, a), dim=-1)
 
 
-def _rotate_reference(x, cos, sin, interleaved: bool, rotary_dim: int, backward: bool):
-    """Forward (or, backward=True, the transpose) rotation of x in fp32, rounded to x's dtype."""
+def _rotate_reference(x, cos, sin, interleaved: bool, rotary_dim: int, backward: bool,
+                      round_products: bool = False):
+    """Forward (or, backward=True, the transpose) rotation of x in fp32, rounded to x's dtype
+    (each product first, too, with round_products)."""
     wide = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for an fp64 reference
+    rnd = lambda y: round_ref(y, x.dtype, round_products)  # noqa: E731
     xf = x.to(wide)
     xr, c, s = xf[..., :rotary_dim], cos.to(wide), sin.to(wide)
     if backward:
-        rot = xr * c + _signed_partner(xr * s, interleaved, True)
+        rot = rnd(xr * c) + _signed_partner(rnd(xr * s), interleaved, True)
     else:
-        rot = xr * c + _signed_partner(xr, interleaved, False) * s
+        rot = rnd(xr * c) + rnd(_signed_partner(xr, interleaved, False) * s)
     return torch.cat((rot, xf[..., rotary_dim:]), dim=-1).to(x.dtype)
 
 
-def rope_reference(q, k, cos, sin, interleaved: bool, rotary_dim: int):
+def rope_reference(q, k, cos, sin, interleaved: bool, rotary_dim: int, round_products: bool = False):
     """PyTorch reference of fxfuse.rope (differentiable through plain autograd)."""
-    return (_rotate_reference(q, cos, sin, interleaved, rotary_dim, False),
-            _rotate_reference(k, cos, sin, interleaved, rotary_dim, False))
+    return (_rotate_reference(q, cos, sin, interleaved, rotary_dim, False, round_products),
+            _rotate_reference(k, cos, sin, interleaved, rotary_dim, False, round_products))

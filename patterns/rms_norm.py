@@ -91,7 +91,7 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
     if eps is None:  # aten.rms_norm's default: machine epsilon of the fp32 compute type
         eps = torch.finfo(torch.float32 if val(x).dtype != torch.float64 else torch.float64).eps
     args = (x, m.inputs.get("w"), float(eps), float(m.scalars.get("offset", 0.0)),
-            m.consts["cast_before_weight"], val(m.anchor).dtype)
+            m.consts["cast_before_weight"], val(m.anchor).dtype, opts.eager_rounding)
     return graph.call_function(torch.ops.fxfuse.rms_norm.default, args)
 
 

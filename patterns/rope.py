@@ -172,6 +172,7 @@ def lower_group(ms: list, graph: fx.Graph, opts) -> list[fx.Node]:
     k = k if len(ms) == 2 else q  # a lone rotation rotates its input twice
     interleaved = ms[0].consts["form"] in ("complex", "pairs", "interleaved")
     d = int(val(ms[0].inputs["x"]).shape[-1])
+    rnd = opts.eager_rounding and _low_precision_products(ms)
     if all(_heads_inner(val(x)) for x in (q, k)):
         # q, k are [B, H, T, D] views of [B, T, H, D] projections: rotate in that memory layout and
         # hand back [B, H, T, D] views of it, as eager's elementwise rotation keeps the layout. SDPA
@@ -179,10 +180,18 @@ def lower_group(ms: list, graph: fx.Graph, opts) -> list[fx.Node]:
         # stays a view; a contiguous [B, H, T, D] rotation made it a copy per layer, saved for backward.
         swap = lambda n: graph.call_function(aten.transpose.int, (n, 1, 2))  # noqa: E731
         pair = graph.call_function(torch.ops.fxfuse.rope.default,
-                                   (swap(q), swap(k), swap(cos), swap(sin), interleaved, d))
+                                   (swap(q), swap(k), swap(cos), swap(sin), interleaved, d, rnd))
         return [swap(graph.call_function(operator.getitem, (pair, i))) for i in range(len(ms))]
     pair = graph.call_function(torch.ops.fxfuse.rope.default, (q, k, cos, sin, interleaved, d))
     return [graph.call_function(operator.getitem, (pair, i)) for i in range(len(ms))]
+
+
+def _low_precision_products(ms: list) -> bool:
+    """The rotation's products run in bf16 / fp16 in the graph (HF's q * cos + rotate_half(q) * sin
+    in a bf16 model): eager rounds each one, so the fused call does too (numerics="eager"). fp32
+    math (Meta's complex product on q.float(), gpt-fast, cos/sin fp32 under autocast) rounds once."""
+    muls = [val(n) for m in ms for n in m.region if n.target == aten.mul.Tensor]
+    return bool(muls) and all(v is not None and v.dtype in (torch.bfloat16, torch.float16) for v in muls)
 
 
 def _heads_inner(v) -> bool:

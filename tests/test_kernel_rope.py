@@ -276,6 +276,24 @@ def test_compile_dynamic_two_sizes():
             assert a.shape == e.shape and _err(a, e) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("on_triton", [True, False], ids=["triton", "reference"])
+def test_round_products_equals_hf_eager(monkeypatch, dtype, on_triton):
+    """round_products=True (numerics="eager"): each product rounded before the sum, as HF's three
+    bf16 ops store them, so q', k' and both gradients equal eager's bit for bit; one rounding differs."""
+    if not on_triton:
+        monkeypatch.delenv("TRITON_INTERPRET")
+    b, hq, hk, t, d = 2, 4, 2, 11, 32
+    q, k = _qk("bthd_view", b, hq, hk, t, d, dtype)
+    cos, sin = _hf_tables(b, t, d, dtype)
+    gq, gk = _grads_like(q, k)
+    hf = _fwd_bwd(_hf, q, k, cos, sin, gq, gk)
+    for rnd in (True, False):
+        out = _fwd_bwd(lambda q_, k_, c, s: rope(q_, k_, c.unsqueeze(1), s.unsqueeze(1), False, d, rnd),
+                       q, k, cos, sin, gq, gk)
+        assert all(torch.equal(a, e) for a, e in zip(out, hf)) == rnd
+
+
 @pytest.mark.parametrize("inter", [False, True])
 def test_bf16_rounds_once(inter):
     """bf16 q, k with fp32 cos/sin: fp32 math and one rounding, so bitwise equal to the reference."""
