@@ -24,7 +24,8 @@ DOC = {
                         "is_causal=True instead (and enable_gqa for repeated k/v); False: left as is",
     "numerics": "'eager' (default): in bf16/fp16 graphs the fused ops round where eager's ops store "
                 "a low-precision result (the loss head's logit ops and their gradients, a gated MLP's "
-                "activation) and Inductor keeps eager's casts (emulate_precision_casts), so losses "
+                "activation, RoPE's products, Llama RMSNorm's backward products) and Inductor keeps "
+                "eager's casts (emulate_precision_casts), so losses "
                 "follow eager's; 'fp32': fused ops keep fp32 between the graph's ops (one rounding per "
                 "output: closer to the exact value, not to eager) and Inductor fuses casts away",
 }

@@ -1,8 +1,8 @@
 """Fused lm_head + cross-entropy that never materialises the [N, V] logits.
 
     torch.ops.fxfuse.linear_cross_entropy(x, weight, bias, target, ignore_index=-100,
-        reduction="mean", label_smoothing=0.0, softcap=0.0, logit_scale=1.0, algorithm="lean")
-        -> fp32 0-dim tensor
+        reduction="mean", label_smoothing=0.0, softcap=0.0, logit_scale=1.0, algorithm="lean",
+        eager_rounding=False) -> fp32 0-dim tensor
 
 x [N, H], weight [V, H] (fp32/bf16/fp16, same dtype), bias [V] or None, target [N] int64.
 
@@ -43,7 +43,10 @@ is what "fast" pays). Peak extra memory is dW + dx + the fp32 dx accumulator of 
 (torch 2.11, bf16, N=8192, H=4096, V=128256, fwd+bwd): 58 ms and +1170 MiB (1.10x the 1066 MiB
 floor); the four matmuls alone take 49 ms at ~700 TFLOP/s (eager: 50 ms, +12 GiB; Inductor:
 39 ms, +3070 MiB). Precision: logits, softmax and every matmul accumulate in fp32; dzr is
-rounded to the input dtype once (as eager rounds its logits' grad). With more than one pass
+rounded to the input dtype once (as eager rounds its logits' grad). eager_rounding=True (backend
+option numerics="eager") rounds like the unfused graph in the input dtype: the lm_head output, the
+scale, z / c, tanh and * c each (_logits), and their gradients in reverse order (_dlogits); loss
+and gradients then equal eager's low-precision ones (tests: < 2e-4, one pass). With more than one pass
 (N > R = 4096 tokens at H = 4096) dW is rounded to bf16/fp16 once per pass: at 8 passes the
 fp16 test measures ~1.9x eager's dW error (the bound is 2x), so very long batches lose some.
 """
