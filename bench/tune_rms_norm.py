@@ -84,7 +84,7 @@ def _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem, grid)
         def bwd(warps=warps, stages=stages, grid=grid, partial=partial):
             k._rms_norm_bwd_kernel[(grid,)](
                 dy, x, w, dx, partial, m, d, x.stride(0), 1e-5, 0.0, HAS_WEIGHT=True, COMPUTE_DW=True,
-                BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, num_warps=warps)
+                ROUND=0, RNE_BY_BITS=False, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, num_warps=warps)
             k._dw_reduce_kernel[(triton.cdiv(d, k._DW_BLOCK_D),)](
                 partial, dw, grid, d, BLOCK_P=k._DW_BLOCK_P, BLOCK_D=k._DW_BLOCK_D)
         try:

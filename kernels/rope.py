@@ -194,7 +194,7 @@ def _row_args(x, o, cos_shape, stand_in) -> tuple:
     return (x, o, i0 * i1 * i2, i1, i2, *x.stride(), o0, o1, o2)
 
 
-def _launch(q, k, cos, sin, interleaved: bool, rotary_dim: int, backward: bool, round_products: bool):
+def _launch(q, k, cos, sin, interleaved: bool, rotary_dim: int, backward: bool, round_products: bool = False):
     """Runs the kernel on q and/or k (None = absent); returns new contiguous outputs (or None)."""
     x0 = q if q is not None else k
     device = x0.device
@@ -213,7 +213,8 @@ def _launch(q, k, cos, sin, interleaved: bool, rotary_dim: int, backward: bool, 
         qa[0], qa[1], ka[0], ka[1], cos, sin, *qa[2:], *ka[2:],
         cs[1], cs[2], *cos.stride(), *sin.stride(),
         D=x0.shape[-1], R=rotary_dim, INTERLEAVED=interleaved, BACKWARD=backward,
-        ROUND=round_code(x0.dtype, round_products), RNE_BY_HAND=_rne_by_hand(device), BLOCK_MQ=block_mq, BLOCK_MK=block_mk,
+        ROUND=round_code(x0.dtype, round_products), RNE_BY_HAND=_rne_by_hand(device),
+        BLOCK_MQ=block_mq, BLOCK_MK=block_mk,
         BLOCK_R=block_r, BLOCK_P=block_p, num_warps=num_warps,
     )
     return qo, ko
