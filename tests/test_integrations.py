@@ -91,22 +91,30 @@ def test_patch_clear_errors():
 def test_hf_trainer_grad_accumulation_eval_and_checkpoint(tmp_path):
     """Patched vs eager Trainer on the same model and data: one SGD step over 2 accumulated
     micro-batches of 2 with uneven loss-token counts (so the update is lr x the accumulated gradient
-    at the same weights; over several steps fp32 rounding differences compound and the smallest
-    updates, q/k projections, drift to ~6e-5), then evaluate/predict and save/load."""
+    at the same weights), then evaluate/predict and save/load. Each parameter's update is within 1e-5
+    of eager's, or, where eager's own fp32 update is far from the exact (fp64) one, within a tenth
+    of that error: with transformers 5.24 the smallest updates (layer 1's q_proj) are 9.2e-4 off
+    in eager fp32 itself, so a one-ulp reordering anywhere moves them by ~5e-5."""
     from transformers import AutoModelForCausalLM
 
     ex = example("hf_trainer")
     eager = ex.build_model()
     patched = copy.deepcopy(eager)
     init = {k: v.clone() for k, v in eager.state_dict().items()}
+    exact = eager.double()
+    ex.run(exact, str(tmp_path / "fp64"), steps=1)
+    exact_sd = {k: v.clone() for k, v in exact.state_dict().items()}
+    eager = ex.build_model()
     ref = ex.run(eager, str(tmp_path / "eager"), steps=1)
     res = ex.run(patched, str(tmp_path / "fxfuse"), steps=1, patch_options={"inner": "aot_eager"})
     assert res["trainer"].model_accepts_loss_kwargs  # so num_items_in_batch reached the forward
     assert abs(res["train_loss"] - ref["train_loss"]) < 1e-5 * abs(ref["train_loss"])
     sd, ref_sd = patched.state_dict(), eager.state_dict()
     assert list(sd) == list(ref_sd)
-    worst = max(rel_err(sd[k] - init[k], ref_sd[k] - init[k]) for k in sd if not torch.equal(ref_sd[k], init[k]))
-    assert worst < 1e-5, worst  # the weight updates, i.e. lr x the accumulated gradients, i.e. lr x the accumulated gradients
+    for k in (k for k in sd if not torch.equal(ref_sd[k], init[k])):  # updates: lr x accumulated grads
+        eager_err = rel_err(ref_sd[k].double() - init[k].double(), exact_sd[k] - init[k].double())
+        err = rel_err(sd[k] - init[k], ref_sd[k] - init[k])
+        assert err < max(1e-5, 0.1 * eager_err), (k, err, eager_err)
     assert rel_err(torch.from_numpy(res["logits"]), torch.from_numpy(ref["logits"])) < 1e-5
     assert abs(res["eval"]["eval_loss"] - ref["eval"]["eval_loss"]) < 1e-5 * ref["eval"]["eval_loss"]
     assert res["eval"]["eval_token_accuracy"] == ref["eval"]["eval_token_accuracy"]
