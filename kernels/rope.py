@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import no_double_backward, register_autograd, use_triton
-from ._round import round_code, round_ref, round_to
+from ._round import rne_by_bits, round_code, round_ref, round_to
 
 
 @triton.jit
@@ -160,11 +160,6 @@ def _launch_meta(d: int, rotary_dim: int, mq: int, mk: int) -> tuple[int, int, i
             _next_pow2(d - rotary_dim) if d > rotary_dim else 0, _num_warps(block_d))
 
 
-def _rne_by_hand(device: torch.device) -> bool:
-    """The interpreter (CPU) truncates fp32 -> bf16 casts; GPUs round to nearest even natively."""
-    return device.type != "cuda"
-
-
 def _check(x: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int):
     """Validates the documented layout contract (real tensors only: Python ints from shapes)."""
     if x.dim() != 4 or k.dim() != 4 or cos.dim() != 4 or cos.shape != sin.shape:
@@ -213,7 +208,7 @@ def _launch(q, k, cos, sin, interleaved: bool, rotary_dim: int, backward: bool, 
         qa[0], qa[1], ka[0], ka[1], cos, sin, *qa[2:], *ka[2:],
         cs[1], cs[2], *cos.stride(), *sin.stride(),
         D=x0.shape[-1], R=rotary_dim, INTERLEAVED=interleaved, BACKWARD=backward,
-        ROUND=round_code(x0.dtype, round_products), RNE_BY_HAND=_rne_by_hand(device),
+        ROUND=round_code(x0.dtype, round_products), RNE_BY_HAND=rne_by_bits(device),
         BLOCK_MQ=block_mq, BLOCK_MK=block_mk,
         BLOCK_R=block_r, BLOCK_P=block_p, num_warps=num_warps,
     )

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import register_autograd, use_triton
-from ._round import round_code, round_ref, round_to
+from ._round import rne_by_bits, round_code, round_ref, round_to
 
 ACTS = ("silu", "gelu", "gelu_tanh")
 _ACT_ID = {name: i for i, name in enumerate(ACTS)}
@@ -170,7 +170,7 @@ def _num_warps(block_m: int, block_n: int) -> int:
 
 
 def _rne_by_bits(t: torch.Tensor) -> bool:
-    return t.dtype == torch.bfloat16 and t.device.type == "cpu"  # CPU Triton == the interpreter
+    return t.dtype == torch.bfloat16 and rne_by_bits(t.device)  # _round's bit path is bf16 only
 
 
 def _check_act(act: str) -> int:
