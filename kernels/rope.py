@@ -16,7 +16,9 @@ Pairing channel a (i < r/2, or even i) with its partner b the two directions are
     forward:  out_a = x_a c_a - x_b s_a     out_b = x_b c_b + x_a s_b
     backward: dx_a = dy_a c_a + dy_b s_b    dx_b = dy_b c_b - dy_a s_a
 which is the whole kernel. No gradient flows to cos/sin: the op refuses backward when they require
-grad. Outputs are new contiguous tensors with q's / k's shape and dtype.
+grad. Outputs are new tensors with q's / k's shape, dtype and memory layout (_like: eager's
+elementwise ops keep a transposed q's layout, and graphs traced from eager may view the result
+assuming it), gradients with dq_out's / dk_out's.
 
 Launch layout: one program per cos position (e.g. per (b, t) for cos [B, 1, T, r]) loads cos/sin
 once and rotates every q row and then every k row sharing it (e.g. all Hq + Hk heads), so cos/sin
@@ -189,15 +191,22 @@ def _row_args(x, o, cos_shape, stand_in) -> tuple:
     return (x, o, i0 * i1 * i2, i1, i2, *x.stride(), o0, o1, o2)
 
 
+def _like(x: torch.Tensor) -> torch.Tensor:
+    """An output for x: x's strides where x is dense (empty_like: the layout eager's ``q * cos + ...``
+    gives), contiguous where that would leave the channel dim strided (the kernel stores rows)."""
+    o = torch.empty_like(x)
+    return o if o.stride(-1) == 1 else x.new_empty(x.shape)
+
+
 def _launch(q, k, cos, sin, interleaved: bool, rotary_dim: int, backward: bool, round_products: bool = False):
-    """Runs the kernel on q and/or k (None = absent); returns new contiguous outputs (or None)."""
+    """Runs the kernel on q and/or k (None = absent); returns new outputs laid out by _like (or None)."""
     x0 = q if q is not None else k
     device = x0.device
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):  # Triton launches on the current device
             return _launch(q, k, cos, sin, interleaved, rotary_dim, backward, round_products)
-    qo = None if q is None else torch.empty(q.shape, dtype=q.dtype, device=device)
-    ko = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=device)
+    qo = None if q is None else _like(q)
+    ko = None if k is None else _like(k)
     cs = cos.shape
     if cs[0] * cs[1] * cs[2] == 0 or ((q is None or q.numel() == 0) and (k is None or k.numel() == 0)):
         return qo, ko
@@ -235,7 +244,7 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     if q.is_cuda or use_triton(q):
         return _launch(q, k, cos, sin, interleaved, rotary_dim, False, round_products)
     qo, ko = rope_reference(q, k, cos, sin, interleaved, rotary_dim, round_products)
-    return qo.contiguous(), ko.contiguous()
+    return _like(q).copy_(qo), _like(k).copy_(ko)
 
 
 def _rope_bwd(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], cos: torch.Tensor,
@@ -249,8 +258,9 @@ def _rope_bwd(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], cos: torch
     if ref.is_cuda or use_triton(ref):
         dq, dk = _launch(dq, dk, cos, sin, interleaved, rotary_dim, True, round_products)
     else:
-        dq, dk = (None if g is None else _rotate_reference(g, cos, sin, interleaved, rotary_dim, True,
-                                                           round_products).contiguous() for g in (dq, dk))
+        dq, dk = (None if g is None else _like(g).copy_(_rotate_reference(g, cos, sin, interleaved, rotary_dim,
+                                                                          True, round_products))
+                  for g in (dq, dk))
     return (cos.new_empty(0) if dq is None else dq), (cos.new_empty(0) if dk is None else dk)
 
 
@@ -263,12 +273,12 @@ _lib.impl("rope_bwd", _rope_bwd, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("fxfuse::rope", lib=_lib)
 def _(q, k, cos, sin, interleaved, rotary_dim, round_products=False):
-    return q.new_empty(q.shape), k.new_empty(k.shape)
+    return _like(q), _like(k)
 
 
 @torch.library.register_fake("fxfuse::rope_bwd", lib=_lib)
 def _(dq, dk, cos, sin, interleaved, rotary_dim, round_products=False):
-    return tuple(cos.new_empty(0) if g is None else g.new_empty(g.shape) for g in (dq, dk))
+    return tuple(cos.new_empty(0) if g is None else _like(g) for g in (dq, dk))
 
 
 _ROPE = torch.ops.fxfuse.rope.default

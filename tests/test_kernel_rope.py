@@ -94,7 +94,10 @@ def test_matches_reference(case, dtype):
     gq, gk = _grads_like(q, k)
     out = _fwd_bwd(lambda *a: rope(*a, inter, r), q, k, cos, sin, gq, gk)
     assert out[0].shape == q.shape and out[1].shape == k.shape and out[0].dtype == dtype
-    assert out[0].is_contiguous() and out[1].is_contiguous()
+    # eager's q * cos + rotate_half(q) * sin keeps a transposed q's layout (empty_like's strides);
+    # the op's outputs do too, and its gradients keep the incoming gradients' layout
+    assert out[0].stride() == torch.empty_like(q).stride() and out[1].stride() == torch.empty_like(k).stride()
+    assert out[2].stride() == gq.stride() and out[3].stride() == gk.stride()
     if dtype == torch.float32:
         ref = _fwd_bwd(lambda *a: rope_reference(*a, inter, r), q, k, cos, sin, gq, gk)
         for a, e in zip(out, ref):
@@ -235,7 +238,8 @@ def test_reference_path_matches_triton_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # use_triton(cpu) -> False: the PyTorch fallback
     ref = _fwd_bwd(lambda *a: rope(*a, False, 8), q, k, cos, sin, gq, gk)
     for a, e in zip(tri, ref):
-        assert e.is_contiguous() and _err(a, e) < 1e-6
+        assert a.stride() == e.stride() and _err(a, e) < 1e-6
+    assert not tri[0].is_contiguous()  # q's transposed layout, on both paths
 
 
 def test_empty():

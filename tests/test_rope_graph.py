@@ -154,3 +154,37 @@ def test_attention_output_needs_no_copy_before_o_proj():
 
     copies = [n for n in fwd.graph.nodes if n.target == torch.ops.aten.clone.default and from_sdpa(n.args[0])]
     assert copies == [], fwd.code
+
+
+class _ViewAfterAttention(nn.Module):
+    """JetMoE's attention shape: q, k, v viewed [B, T, H, D] and transposed, HF RoPE, SDPA, then the
+    output transposed back, ``.contiguous()`` and viewed. In eager SDPA's output follows q's layout,
+    so the traced graph drops the no-op contiguous and keeps a bare view: the fused op must give
+    eager's (transposed) layout or that view fails."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        b, t, _ = x.shape
+        freqs = torch.arange(t, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[None]  # [1, T, D]
+        q, k, v = (y.view(b, t, self.heads, self.head_dim).transpose(1, 2) for y in self.qkv(x).chunk(3, dim=-1))
+        q, k = apply_rotary_pos_emb(q, k, emb.cos(), emb.sin())
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2).contiguous().view(b, t, -1).square().mean()
+
+
+def test_layout_of_rotated_q_is_eagers():
+    torch.manual_seed(0)
+    model = _ViewAfterAttention()
+    inputs = {"x": torch.randn(2, 9, 32)}
+    loss_err, grad_err, report, _ = compiled_parity(model, inputs, loss_fn=lambda out: out)
+    assert report.counts()["rope"] == 1 and not report.errors, str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
