@@ -8,7 +8,7 @@ and every matched region is replaced whole by the rewrite.
 Rules (user spelling -> canonical label):
   - casts (``to``, ``_to_copy``, ``type_as``) -> ``cast`` with literal "f32" / "low" (bf16, fp16) /
     the dtype; a cast that does not change dtype or device disappears (its users see its input).
-  - ``mul(a, a)`` -> ``pow(a, 2)``;  ``pow(a, -0.5)`` -> ``rsqrt(a)``;
+  - ``mul(a, a)``, ``square(a)`` -> ``pow(a, 2)``;  ``pow(a, -0.5)`` -> ``rsqrt(a)``;
     ``div(a, sqrt(b))`` -> ``mul(a, rsqrt(b))`` (the sqrt has no other user).
   - ``div(sum(a, dims, keepdim), N)`` with N the number of summed elements -> ``mean(a, dims, keepdim)``.
   - size-dependent literals (dims, slice bounds, reshape targets) are size-relative (shapes.py).
@@ -207,7 +207,7 @@ def _canon(n: fx.Node):
     if t in CASTS:
         out = val(n)
         return "cast", (dtype_class(out.dtype) if out is not None else "?",), [("0", n.args[0])], [n]
-    if t == aten.mul.Tensor and n.args[0] is n.args[1]:
+    if (t == aten.mul.Tensor and n.args[0] is n.args[1]) or t == aten.square.default:
         return str(aten.pow.Tensor_Scalar), (EDGE, 2), [("0", n.args[0])], [n]
     if t == aten.pow.Tensor_Scalar and n.args[1] == -0.5:
         return str(aten.rsqrt.default), (EDGE,), [("0", n.args[0])], [n]

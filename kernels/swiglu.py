@@ -1,4 +1,4 @@
-"""Gated-MLP activation (SwiGLU / GeGLU): ``torch.ops.fxfuse.swiglu(gate, up, act)``.
+"""Gated-MLP activation (SwiGLU / GeGLU / ReGLU): ``torch.ops.fxfuse.swiglu(gate, up, act)``.
 
 Shapes: gate, up: [..., I] (same shape and dtype), viewed as [M, I] rows; out: [..., I].
 
@@ -20,6 +20,9 @@ Activations and derivatives:
                 z = c * (g + 0.044715 g^3),  t = tanh(z),  z' = c * (1 + 3 * 0.044715 g^2),  c = sqrt(2 / pi)
                 tanh(z) = 2 sigmoid(2z) - 1 and 1 - t^2 = 4 sigmoid(2z) (1 - sigmoid(2z)) (no tanh
                 builtin in every supported Triton; the sigmoid form keeps 1 - t^2 accurate).
+    relu:       act = max(g, 0),                           act' = 0 if g <= 0 else 1
+    relu2:      act = max(g, 0)^2 (BitNet),                act' = 2 * max(g, 0)
+                (as torch.relu and its threshold_backward: a NaN gate gives act NaN, act' 1)
 
 Layout: each input is read as rows with its own row stride and a contiguous last dim (so the
 halves of ``gate_up.chunk(2, dim=-1)`` are read in place); any other layout is copied first.
@@ -36,7 +39,7 @@ import triton.language as tl
 from ._dispatch import register_autograd, use_triton
 from ._round import rne_by_bits, round_code, round_ref, round_to
 
-ACTS = ("silu", "gelu", "gelu_tanh")
+ACTS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 _ACT_ID = {name: i for i, name in enumerate(ACTS)}
 
 _SQRT1_2 = tl.constexpr(0.7071067811865476)
@@ -60,7 +63,7 @@ def _act_and_grad(g, ACT: tl.constexpr, NEED_GRAD: tl.constexpr):
         a = g * cdf
         if NEED_GRAD:
             da = cdf + g * _INV_SQRT_2PI * tl.exp(-0.5 * g * g)
-    else:
+    elif ACT == 2:
         g2 = g * g
         s2 = tl.sigmoid(g * (1.0 + g2 * _GELU_TANH_K) * (2.0 * _SQRT_2_OVER_PI))
         half_1p_t = s2  # 0.5 * (1 + tanh(z)) == sigmoid(2z)
@@ -68,6 +71,15 @@ def _act_and_grad(g, ACT: tl.constexpr, NEED_GRAD: tl.constexpr):
         if NEED_GRAD:
             dz = (1.0 + g2 * (3.0 * _GELU_TANH_K)) * _SQRT_2_OVER_PI
             da = half_1p_t + 2.0 * g * s2 * (1.0 - s2) * dz
+    elif ACT == 3:
+        a = tl.where(g < 0.0, 0.0, g)  # NaN < 0 is False: NaN stays
+        if NEED_GRAD:
+            da = tl.where(g <= 0.0, 0.0, 1.0)
+    else:
+        r = tl.where(g < 0.0, 0.0, g)
+        a = r * r
+        if NEED_GRAD:
+            da = r * 2.0
     return a, da
 
 
@@ -319,6 +331,9 @@ register_autograd(_lib, "swiglu", _SWIGLU, _SwiGLUFunction)
 def _act_ref(g: torch.Tensor, act: str) -> torch.Tensor:
     if act == "silu":
         return torch.nn.functional.silu(g)
+    if act in ("relu", "relu2"):
+        r = torch.relu(g)
+        return r * r if act == "relu2" else r
     return torch.nn.functional.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
@@ -326,6 +341,10 @@ def _act_grad_ref(g: torch.Tensor, act: str) -> torch.Tensor:
     if act == "silu":
         s = torch.sigmoid(g)
         return s * (1.0 + g * (1.0 - s))
+    if act == "relu":
+        return (~(g <= 0)).to(g.dtype)
+    if act == "relu2":
+        return 2.0 * torch.relu(g)
     if act == "gelu":
         return 0.5 * (1.0 + torch.erf(g * _SQRT1_2.value)) + g * _INV_SQRT_2PI.value * torch.exp(-0.5 * g * g)
     g2 = g * g

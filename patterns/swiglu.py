@@ -1,4 +1,4 @@
-"""Gated-MLP activation: ``act(gate) * up`` with act silu / gelu / gelu-tanh.
+"""Gated-MLP activation: ``act(gate) * up`` with act silu / gelu / gelu-tanh / relu / relu^2.
 
 The fused op covers the activation and the product, not the matmuls: gate and up may come from two
 linears, from one fused linear split by ``chunk`` / ``split`` / slicing (Phi-3's gate_up_proj, in
@@ -37,6 +37,17 @@ def geglu(gate, up):
     return F.gelu(gate) * up
 
 
+def reglu(gate, up):
+    """ReGLU (GLU-variants paper): ``relu(gate) * up``."""
+    return F.relu(gate) * up
+
+
+def reglu_squared_bitnet(gate, up):
+    """BitNet b1.58 (HF ``relu2``, ReLUSquaredActivation): ``torch.square(relu(gate)) * up``; ``pow(2)``
+    and ``r * r`` are the same canonical node."""
+    return torch.square(F.relu(gate)) * up
+
+
 def check(m) -> str | None:
     g, u, out = val(m.inputs["gate"]), val(m.inputs["up"]), val(m.anchor)
     if g is None or u is None or out is None:
@@ -66,8 +77,21 @@ def _is_candidate(n: fx.Node) -> bool:
     muls = [u for u in n.users if u.target == torch.ops.aten.mul.Tensor]
     if n.target in (torch.ops.aten.silu.default, torch.ops.aten.gelu.default):
         return bool(muls)
+    if n.target == torch.ops.aten.relu.default:
+        return _relu_gate(n)
     return n.target == torch.ops.aten.sigmoid.default and (
         any(n.args[0] in u.args for u in muls) or _scaled_self_gate(n))
+
+
+def _relu_gate(n: fx.Node) -> bool:
+    """relu(gate) * up (ReGLU) or relu(gate)^2 * up (BitNet's relu2): a product of relu(x), or of its
+    square (square, pow 2 or x * x), with another tensor."""
+    aten = torch.ops.aten
+    outs = [n] + [u for u in n.users if u.target == aten.square.default
+                  or (u.target == aten.pow.Tensor_Scalar and u.args[1] == 2)
+                  or (u.target == aten.mul.Tensor and u.args[0] is n and u.args[1] is n)]
+    return any(v.target == aten.mul.Tensor and v.args[0] is not v.args[1] and not (o is n and v in outs)
+               for o in outs for v in o.users)
 
 
 def _scaled_self_gate(n: fx.Node) -> bool:
@@ -94,6 +118,8 @@ PATTERN = Pattern(
         Variant(swiglu_sigmoid, {"act": "silu"}),
         Variant(geglu_tanh, {"act": "gelu_tanh"}),
         Variant(geglu, {"act": "gelu"}),
+        Variant(reglu, {"act": "relu"}),
+        Variant(reglu_squared_bitnet, {"act": "relu2"}),
     ),
     shapes={"gate": (2, 3, 22), "up": (2, 3, 22)},
     dtypes=({"gate": _bf, "up": _bf}, {"gate": _f32, "up": _f32}),

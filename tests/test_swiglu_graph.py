@@ -18,7 +18,7 @@ def is_gated_mlp(m: nn.Module) -> bool:
 
 
 @pytest.mark.parametrize("model_type,act", [("llama", "silu"), ("qwen2", "silu"), ("phi3", "silu"),
-                                            ("gemma", "gelu_tanh"), ("gemma2", "gelu_tanh")])
+                                            ("gemma", "gelu_tanh"), ("gemma2", "gelu_tanh"), ("bitnet", "relu2")])
 def test_hf_gated_mlps_fused(model_type, act):
     model = hf_model(model_type)
     inputs = batch()
@@ -66,13 +66,22 @@ class HandMLP(nn.Module):
             h = g * torch.sigmoid(g) * u
         elif self.spelling == "up_first":
             h = u * F.silu(g)
+        elif self.spelling == "relu":
+            h = F.relu(g) * u
+        elif self.spelling == "relu_pow":
+            h = F.relu(g).pow(2) * u
+        elif self.spelling == "relu_self_mul":
+            r = torch.relu(g)
+            h = u * (r * r)
         else:
             h = F.gelu(g) * u
         return self.down(h).pow(2).mean()
 
 
 @pytest.mark.parametrize("spelling,variant", [("sigmoid", "swiglu_sigmoid"), ("up_first", "swiglu_silu"),
-                                              ("gelu", "geglu")])
+                                              ("gelu", "geglu"), ("relu", "reglu"),
+                                              ("relu_pow", "reglu_squared_bitnet"),
+                                              ("relu_self_mul", "reglu_squared_bitnet")])
 def test_hand_written_spellings(spelling, variant):
     torch.manual_seed(0)
     model = HandMLP(spelling=spelling)
@@ -105,8 +114,11 @@ def test_near_miss_activation_used_elsewhere():
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)
 
 
-def test_no_false_match_on_plain_gelu_mlp():
-    model = hf_model("gpt_neox", intermediate_size=64, rotary_pct=0.25)
+@pytest.mark.parametrize("model_type,overrides", [("gpt_neox", {"intermediate_size": 64, "rotary_pct": 0.25}),
+                                                  ("nanochat", {})], ids=["gelu", "relu2_ungated"])
+def test_no_false_match_on_plain_mlp(model_type, overrides):
+    """An ungated MLP (GPT-NeoX's gelu, nanochat's relu(x)^2) is no site and no candidate."""
+    model = hf_model(model_type, **overrides)
     report = fxfuse.explain(model, **batch())
     assert report.counts()["swiglu"] == 0
     assert not [s for s in report.unmatched if s.pattern == "swiglu"]
