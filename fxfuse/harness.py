@@ -7,7 +7,8 @@ fused every one and nothing else, and whether training through the fused model m
   - no false match: no pattern matched more sites than the model has;
   - 20 AdamW steps under bf16 autocast on a fixed batch: the loss tracks eager's within 1e-2 relative.
 A site that stays unfused is a *gap* (with the report's reason), never a pass. Dropout is set to 0
-(its random masks differ between runs); models are otherwise as built, in train mode.
+(its random masks differ between runs: nn.Dropout modules here, config probabilities in
+zoo.check_hf); models are otherwise as built, in train mode.
 """
 from __future__ import annotations
 
@@ -44,9 +45,13 @@ def is_gated_mlp(m: nn.Module) -> bool:
 
 
 def is_attention(m: nn.Module) -> bool:
+    """A softmax-attention module (a RoPE site in a rotary model), DeepSeek's MLA (kv_a_proj_with_mqa)
+    too. MiniMax's lightning attention layers (linear attention: a qkv_proj, no rotation) are not."""
     names = _names(m)
+    if "lightning" in type(m).__name__.lower():
+        return False
     return ({"q_proj", "k_proj"} <= names or {"wq", "wk"} <= names
-            or bool(names & {"query_key_value", "qkv_proj", "wqkv"}))
+            or bool(names & {"query_key_value", "qkv_proj", "wqkv", "kv_a_proj_with_mqa"}))
 
 
 def uses_rope(model: nn.Module) -> bool:

@@ -6,7 +6,9 @@ one attention layer) into one ``fxfuse::rope`` call, which is one site. Spelling
     ``cat(x2, -x1)`` (the rotation by -angle), and the interleaved form (Cohere, GLM, Helium:
     ``stack(-x[..., 1::2], x[..., ::2]).flatten(-2)``);
   - the same rotation written out on halves: ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``,
-    cos / sin [..., D/2], the halves sliced or ``torch.chunk``-ed (gpt-oss);
+    cos / sin [..., D/2], the halves sliced or ``torch.chunk``-ed (gpt-oss), or the even / odd
+    channels (DeepSeek V3's ``apply_rotary_pos_emb_interleave``: interleaved pairs in, the halves
+    layout out; lowered as that channel permutation of x, one copy, then the halves rotation);
   - interleaved pairs: Meta / torchtitan ``view_as_complex(x.reshape(..., -1, 2)) * freqs_cis``, and
     gpt-fast's real form (``reshape(..., -1, 2)`` + ``stack``).
 Partial rotary (Phi, GPT-NeoX, StableLM, GLM) needs no spelling of its own: the rotated slice
@@ -60,6 +62,13 @@ def rope_halves_chunk(x, cos_h, sin_h):
     """gpt-oss ``_apply_rotary_emb``: the same halves rotation, x split by ``torch.chunk``."""
     x1, x2 = torch.chunk(x, 2, dim=-1)
     return torch.cat((x1 * cos_h - x2 * sin_h, x2 * cos_h + x1 * sin_h), dim=-1)
+
+
+def rope_halves_pairs_deepseek(x, cos_h, sin_h):
+    """DeepSeek V2 / V3 ``apply_rotary_pos_emb_interleave`` (MLA's rope part): pairs (x[2i], x[2i+1])
+    rotated, results written as halves."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos_h - x2 * sin_h, x2 * cos_h + x1 * sin_h], dim=-1)
 
 
 def rope_complex_meta(x, freqs_cis):
@@ -145,7 +154,7 @@ def _per_channel(graph: fx.Graph, m) -> tuple[fx.Node, fx.Node]:
         rank = val(src).dim() if form == "complex" else val(src).dim() - 1
         halves = [call(aten.select.int, (pairs, -1, i)) for i in (0, 1)]
         tabs = [call(aten.flatten.using_ints, (call(aten.stack.default, ([h, h], -1)), -2, -1)) for h in halves]
-    elif form == "halves":
+    elif form in ("halves", "halves_pairs"):
         rank = val(m.inputs["cos_h"]).dim()
         tabs = [call(aten.cat.default, ([m.inputs[n], m.inputs[n]], -1)) for n in ("cos_h", "sin_h")]
     else:
@@ -170,6 +179,8 @@ def lower_group(ms: list, graph: fx.Graph, opts) -> list[fx.Node]:
     out_dtype = val(ms[0].anchor).dtype
     q, k = (_as(graph, m.inputs["x"], out_dtype) for m in (ms[0], ms[-1]))
     k = k if len(ms) == 2 else q  # a lone rotation rotates its input twice
+    if ms[0].consts["form"] == "halves_pairs":  # channels (0, 2, 4, .., 1, 3, ..): then the halves form
+        q, k = (_deinterleave(graph, x) for x in (q, k))
     interleaved = ms[0].consts["form"] in ("complex", "pairs", "interleaved")
     d = int(val(ms[0].inputs["x"]).shape[-1])
     rnd = opts.eager_rounding and _low_precision_products(ms)
@@ -184,6 +195,13 @@ def lower_group(ms: list, graph: fx.Graph, opts) -> list[fx.Node]:
         return [swap(graph.call_function(operator.getitem, (pair, i))) for i in range(len(ms))]
     pair = graph.call_function(torch.ops.fxfuse.rope.default, (q, k, cos, sin, interleaved, d))
     return [graph.call_function(operator.getitem, (pair, i)) for i in range(len(ms))]
+
+
+def _deinterleave(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    """cat(x[..., 0::2], x[..., 1::2]) as one copy: [.., D] -> [.., D/2, 2] -> [.., 2, D/2] -> [.., D]."""
+    call = graph.call_function
+    pairs = call(aten.transpose.int, (call(aten.unflatten.int, (x, -1, [-1, 2])), -1, -2))
+    return call(aten.flatten.using_ints, (call(aten.clone.default, (pairs,), {"memory_format": torch.contiguous_format}), -2, -1))
 
 
 def _low_precision_products(ms: list) -> bool:
@@ -201,12 +219,16 @@ def _heads_inner(v) -> bool:
 
 
 def _is_candidate(n: fx.Node) -> bool:
-    """view_as_complex, or a rotate_half concatenation / stack of two pieces, one negated."""
+    """view_as_complex, or a concatenation / stack of two pieces: rotate_half's (one negated) or the
+    written-out rotation's (a difference and a sum of products)."""
     if n.target == aten.view_as_complex.default:
         return True
     if n.target not in (aten.cat.default, aten.stack.default) or len(n.args[0]) != 2:
         return False
-    return any(isinstance(p, fx.Node) and p.target == aten.neg.default for p in n.args[0])
+    pieces = [p for p in n.args[0] if isinstance(p, fx.Node)]
+    return any(p.target == aten.neg.default for p in pieces) or (
+        {p.target for p in pieces} == {aten.sub.Tensor, aten.add.Tensor}
+        and all(isinstance(a, fx.Node) and a.target == aten.mul.Tensor for p in pieces for a in p.args[:2]))
 
 
 _bf, _f32, _c64 = torch.bfloat16, torch.float32, torch.complex64
@@ -218,6 +240,7 @@ PATTERN = Pattern(
         Variant(rope_interleaved, {"form": "interleaved"}),
         Variant(rope_halves, {"form": "halves"}),
         Variant(rope_halves_chunk, {"form": "halves"}),
+        Variant(rope_halves_pairs_deepseek, {"form": "halves_pairs"}),
         Variant(rope_complex_meta, {"form": "complex"}, dtypes=({"x": _bf, "freqs_cis": _c64},
                                                                  {"x": _f32, "freqs_cis": _c64})),
         Variant(rope_pairs_gptfast, {"form": "pairs"}),

@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 import fxfuse
+from fxfuse.zoo import MLA_TINY
 from helpers import batch, bf16_errors, compiled_parity, count_calls, hf_model, loss_and_grads, rel_err
 from models import GptFastBlock, GptFastLM, TitanBlock, TitanLM
 
@@ -14,7 +15,7 @@ FP32_TOL = 1e-5
 def is_attention(m: nn.Module) -> bool:
     names = {n for n, _ in m.named_children()}
     return ({"q_proj", "k_proj"} <= names or "query_key_value" in names or "qkv_proj" in names
-            or isinstance(m, (GptFastBlock, TitanBlock)))
+            or "kv_a_proj_with_mqa" in names or isinstance(m, (GptFastBlock, TitanBlock)))
 
 
 @pytest.mark.parametrize("model_type,overrides,variant", [
@@ -26,8 +27,10 @@ def is_attention(m: nn.Module) -> bool:
     ("gemma4_text", {}, "rope_rotate_half"),
     ("gpt_oss", {}, "rope_halves_chunk"),  # the halves from torch.chunk
     ("nanochat", {}, "rope_rotate_half_flipped"),  # rotate_half as cat(x2, -x1)
+    ("deepseek_v3", MLA_TINY, "rope_halves_pairs_deepseek"),  # MLA: even / odd channels in, halves out
+    ("deepseek_v2", MLA_TINY, "rope_complex_meta"),
 ], ids=["llama", "mistral", "qwen2", "phi3", "gemma", "llama_mqa", "gpt_neox_partial", "gemma4", "gpt_oss",
-        "nanochat"])
+        "nanochat", "deepseek_v3", "deepseek_v2"])
 def test_hf_rotations_fused(model_type, overrides, variant):
     model = hf_model(model_type, **overrides)
     inputs = batch()
