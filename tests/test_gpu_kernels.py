@@ -1,0 +1,104 @@
+"""GPU checks of kernel paths the CPU tests run only under Triton's interpreter: the gated-MLP
+activations (relu / relu2 are new since the last device run), RoPE's layout-keeping outputs and
+DeepSeek V3's pairs-in / halves-out rotation compiled with Inductor.
+
+On the device: ``FXFUSE_TEST_DEVICE=cuda python3 -m pytest -q -m gpu tests/test_gpu_kernels.py``
+(``bash bench/run_all.sh gpu_tests``); deselected without CUDA."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+ACTS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
+
+
+def _act(g, act):
+    if act == "silu":
+        return F.silu(g)
+    if act in ("relu", "relu2"):
+        return F.relu(g) ** (2 if act == "relu2" else 1)
+    return F.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("shape", [(1, 7), (199, 1030), (4096, 5504)])
+def test_swiglu_bf16_against_fp32(act, shape):
+    """bf16 fused op vs an fp32 computation of the same inputs: no worse than eager's bf16 ops."""
+    import fxfuse.kernels.swiglu  # noqa: F401
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate = (torch.randn(shape, device="cuda", generator=g) * 2).bfloat16().requires_grad_()
+    up = torch.randn(shape, device="cuda", generator=g).bfloat16().requires_grad_()
+    dout = torch.randn(shape, device="cuda", generator=g).bfloat16()
+    out = torch.ops.fxfuse.swiglu(gate, up, act)
+    dg, du = torch.autograd.grad(out, (gate, up), dout)
+    ref_in = [t.detach().float().requires_grad_() for t in (gate, up)]
+    ref = _act(ref_in[0], act) * ref_in[1]
+    rdg, rdu = torch.autograd.grad(ref, ref_in, dout.float())
+    eager = _act(gate, act) * up
+    edg, edu = torch.autograd.grad(eager, (gate, up), dout)
+    for mine, e, r in ((out, eager, ref), (dg, edg, rdg), (du, edu, rdu)):
+        err = lambda x: ((x.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()  # noqa: E731
+        assert err(mine) <= 2 * err(e) + 1e-6, (err(mine), err(e))
+
+
+@pytest.mark.parametrize("act", ["relu", "relu2"])
+def test_relu_gates_round_like_eager(act):
+    """numerics="eager" (round_act): ReGLU equals eager's bf16 result everywhere; relu2 rounds
+    r * r where eager's square stores it, so it equals eager's too (both products single ops)."""
+    import fxfuse.kernels.swiglu  # noqa: F401
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    gate = (torch.randn(333, 777, device="cuda", generator=g) * 2).bfloat16().requires_grad_()
+    up = torch.randn(333, 777, device="cuda", generator=g).bfloat16().requires_grad_()
+    dout = torch.randn(333, 777, device="cuda", generator=g).bfloat16()
+    out = torch.ops.fxfuse.swiglu(gate, up, act, True)
+    mine = (out, *torch.autograd.grad(out, (gate, up), dout))
+    ref = (torch.square(F.relu(gate)) if act == "relu2" else F.relu(gate)) * up
+    theirs = (ref, *torch.autograd.grad(ref, (gate, up), dout))
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_rope_keeps_a_transposed_layout():
+    """q = proj.view(B, T, H, D).transpose(1, 2), rotated: the output keeps q's strides (eager's
+    elementwise rotation does) and its values equal the PyTorch reference's."""
+    from fxfuse.kernels.rope import rope_reference
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    b, t, hq, hk, d = 2, 300, 8, 2, 128
+    q = torch.randn(b, t, hq * d, device="cuda", generator=g).bfloat16().view(b, t, hq, d).transpose(1, 2)
+    k = torch.randn(b, t, hk, d, device="cuda", generator=g).bfloat16().transpose(1, 2)
+    ang = torch.randn(1, 1, t, d // 2, device="cuda", generator=g)
+    cos, sin = (torch.cat((f(ang), f(ang)), -1).bfloat16() for f in (torch.cos, torch.sin))
+    qo, ko = torch.ops.fxfuse.rope(q, k, cos, sin, False, d)
+    rq, rk = rope_reference(q, k, cos, sin, False, d)
+    assert qo.stride() == q.stride() and ko.stride() == k.stride()
+    torch.testing.assert_close(qo, rq, rtol=0, atol=0)
+    torch.testing.assert_close(ko, rk, rtol=0, atol=0)
+
+
+def test_deepseek_v3_fused_under_inductor():
+    """DeepSeek V3 (MLA, rope on interleaved pairs) from a tiny config on the GPU with Inductor:
+    every site fused, fp32 loss and gradients within 1e-5 of eager (TF32 off)."""
+    import copy
+
+    import fxfuse
+    from fxfuse.harness import grad_error, rel_err, step
+    from fxfuse.zoo import MLA_TINY, hf_config, hf_inputs, without_randomness
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cfg = without_randomness(hf_config("deepseek_v3", **MLA_TINY))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).cuda()
+    inputs = {k: v.cuda() for k, v in hf_inputs(cfg.vocab_size).items()}
+    ref_loss, ref_grads = step(model, model, inputs)
+    mine = copy.deepcopy(model)
+    n0 = len(fxfuse.compiled_reports())
+    loss, grads = step(mine, torch.compile(mine, backend="fxfuse"), inputs)
+    counts = fxfuse.Report.merge(fxfuse.compiled_reports()[n0:]).counts()
+    assert counts == {"rms_norm": 9, "rope": 2, "swiglu": 3, "linear_cross_entropy": 1}, counts
+    assert rel_err(loss, ref_loss) < 1e-5 and grad_error(grads, ref_grads) < 1e-5
