@@ -180,7 +180,8 @@ def lower_group(ms: list, graph: fx.Graph, opts) -> list[fx.Node]:
     q, k = (_as(graph, m.inputs["x"], out_dtype) for m in (ms[0], ms[-1]))
     k = k if len(ms) == 2 else q  # a lone rotation rotates its input twice
     if ms[0].consts["form"] == "halves_pairs":  # channels (0, 2, 4, .., 1, 3, ..): then the halves form
-        q, k = (_deinterleave(graph, x) for x in (q, k))
+        q = _deinterleave(graph, q)
+        k = q if len(ms) == 1 else _deinterleave(graph, k)  # a lone rotation: one copy, not two
     interleaved = ms[0].consts["form"] in ("complex", "pairs", "interleaved")
     d = int(val(ms[0].inputs["x"]).shape[-1])
     rnd = opts.eager_rounding and _low_precision_products(ms)
@@ -201,7 +202,8 @@ def _deinterleave(graph: fx.Graph, x: fx.Node) -> fx.Node:
     """cat(x[..., 0::2], x[..., 1::2]) as one copy: [.., D] -> [.., D/2, 2] -> [.., 2, D/2] -> [.., D]."""
     call = graph.call_function
     pairs = call(aten.transpose.int, (call(aten.unflatten.int, (x, -1, [-1, 2])), -1, -2))
-    return call(aten.flatten.using_ints, (call(aten.clone.default, (pairs,), {"memory_format": torch.contiguous_format}), -2, -1))
+    dense = call(aten.clone.default, (pairs,), {"memory_format": torch.contiguous_format})
+    return call(aten.flatten.using_ints, (dense, -2, -1))
 
 
 def _low_precision_products(ms: list) -> bool:
