@@ -92,6 +92,10 @@ def test_deepseek_v3_fused_under_inductor():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     cfg = without_randomness(hf_config("deepseek_v3", **MLA_TINY))
+    # dense MLPs in every layer: transformers 5.17's grouped_mm fallback calls .tolist() in its
+    # backward, which fails AOT tracing under any backend (aot_eager too; fixed by 5.24), and the
+    # MoE experts are not what this test is about
+    cfg.first_k_dense_replace = cfg.num_hidden_layers
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).cuda()
     inputs = {k: v.cuda() for k, v in hf_inputs(cfg.vocab_size).items()}
@@ -100,5 +104,5 @@ def test_deepseek_v3_fused_under_inductor():
     n0 = len(fxfuse.compiled_reports())
     loss, grads = step(mine, torch.compile(mine, backend="fxfuse"), inputs)
     counts = fxfuse.Report.merge(fxfuse.compiled_reports()[n0:]).counts()
-    assert counts == {"rms_norm": 9, "rope": 2, "swiglu": 3, "linear_cross_entropy": 1}, counts
+    assert counts == {"rms_norm": 9, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}, counts
     assert rel_err(loss, ref_loss) < 1e-5 and grad_error(grads, ref_grads) < 1e-5
