@@ -7,6 +7,7 @@
 #                                                  # named; one model per 10-minute call (E2E_ARGS=extra flags,
 #                                                  # e.g. E2E_ARGS="--fxfuse-option loss_head=fast --fit batch")
 #   bash bench/run_all.sh tune_rms_norm            # RMSNorm launch-parameter sweep, only when named
+#   bash bench/run_all.sh probe_rms_norm           # RMSNorm kernel-structure candidates, only when named
 #   bash bench/run_all.sh gpu_tests                # the gpu-marked tests (kernels on CUDA), only when named
 #   bash bench/run_all.sh fsdp2                    # 2-GPU FSDP2 step (examples/fsdp2_bench.py), only when named
 #                                                  # (FSDP_ARGS=--checkpointing: activation checkpointing too)
@@ -33,9 +34,11 @@ has rms_norm && run rms_norm --cuda-graph
 has swiglu && run swiglu && run swiglu --cuda-graph
 has rope && run rope && run rope --cuda-graph
 has linear_cross_entropy && run linear_cross_entropy
-if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" tune_rms_norm "* ]]; then  # launch-parameter sweep, only when named
-  echo "== tune_rms_norm"; timeout "${BENCH_TIMEOUT:-240}" python3 "$repo/bench/tune_rms_norm.py" 2>&1 | tee -a "$out/tune_rms_norm.log" | grep -v Warning
-fi
+for script in tune_rms_norm probe_rms_norm; do  # sweeps and probes, only when named
+  if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" $script "* ]]; then
+    echo "== $script"; timeout "${BENCH_TIMEOUT:-240}" python3 "$repo/bench/$script.py" 2>&1 | tee -a "$out/$script.log" | grep -v Warning
+  fi
+done
 if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" gpu_tests "* ]]; then  # from /tmp: the installed package
   echo "== gpu_tests"
   # tests import tests.helpers: a folder holding only a link to tests/, so the repo's fxfuse/ source
@@ -43,7 +46,7 @@ if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" gpu_tests "* ]]; then  # from 
   mkdir -p /tmp/testroot && ln -sfn "$repo/tests" /tmp/testroot/tests
   # one process per file: the CPU kernel test files set TRITON_INTERPRET when they are imported
   for t in test_gpu_kernels test_kernel_linear_cross_entropy test_checkpoint; do
-    PYTHONPATH=/tmp/site:/tmp/testroot FXFUSE_TEST_DEVICE=cuda timeout "${BENCH_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+    PYTHONPATH=$PYTHONPATH:/tmp/testroot FXFUSE_TEST_DEVICE=cuda timeout "${BENCH_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu \
       "$repo/tests/$t.py" 2>&1 | tee -a "$out/gpu_tests.log" | tail -3
   done
 fi
