@@ -4,8 +4,8 @@
     python bench/tune_rms_norm.py --shapes 4096x8192 --top 5
     python bench/tune_rms_norm.py --shapes 4096x8192 --bwd-warps 8 16 --bwd-stages 3 4   # a smaller grid
 
-Times the forward kernel (one program per row block, or a persistent grid of programs per SM with
-num_stages row blocks in flight) and the backward (row kernel + dw reduction) separately for every
+Times the forward kernel (one program per row block, or the persistent row kernel with programs
+per SM and num_stages rows in flight) and the backward (row kernel + dw reduction) separately for every
 (num_warps[, num_stages, programs per SM]) and (num_warps, num_stages, programs per SM) in the
 grids below, and prints each configuration's GB/s against a copy ceiling measured in the same
 process, best first. The chosen values go into kernels/rms_norm.py's named tuning functions; this
@@ -42,6 +42,7 @@ def bwd_bytes(m: int, d: int, elem: int) -> int:
 
 
 def sweep(m: int, d: int, dtype: torch.dtype, ceiling: float, top: int, grid: argparse.Namespace) -> None:
+    from fxfuse.kernels import _rms_norm_launch as launch
     from fxfuse.kernels import rms_norm as k
 
     x = torch.randn(m, d, device="cuda", dtype=dtype)
@@ -49,27 +50,33 @@ def sweep(m: int, d: int, dtype: torch.dtype, ceiling: float, top: int, grid: ar
     dy = torch.randn(m, d, device="cuda", dtype=dtype)
     y, dx = torch.empty_like(x), torch.empty_like(x)
     dw = torch.empty(d, device="cuda", dtype=dtype)
-    block_n = k._block_n(d)
-    sms = k._num_sms(x.device)
+    block_n = launch.block_n(d)
+    sms = launch.num_sms(x.device)
     elem = x.element_size()
-    base_m = k._block_m(block_n, m)
+    base_m = launch.block_m(block_n, m)
     rows = []
     for rows_per_tile in grid.rows_per_tile:
         block_m = base_m * rows_per_tile
         rows += _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem, grid)
-    _print(k, m, d, dtype, ceiling, top, rows, x.device, elem, block_n)
+    _print(launch, m, d, dtype, ceiling, top, rows, x.device, elem, block_n)
 
 
 def _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem, grid) -> list:
+    from fxfuse.kernels import _rms_norm_launch as launch
+
     rows = []
     blocks = triton.cdiv(m, block_m)
-    fwd_grid = [(blocks, 1, 0)] + [(min(blocks, sms * per_sm), stages, per_sm)
-                                   for per_sm in grid.fwd_per_sm if per_sm for stages in grid.fwd_stages]
+    # persistent (row kernel) only for one row per tile; per_sm 0: one program per tile
+    fwd_grid = [(blocks, 1, 0)] + [(min(m, sms * per_sm), stages, per_sm) for per_sm in grid.fwd_per_sm
+                                   if per_sm and block_m == 1 for stages in grid.fwd_stages]
     for warps, (programs, stages, per_sm) in itertools.product(grid.fwd_warps, fwd_grid):
-        def fwd(warps=warps, programs=programs, stages=stages):
-            k._rms_norm_fwd_kernel[(programs,)](
-                x, w, y, m, d, x.stride(0), 1e-5, 0.0, HAS_WEIGHT=True, CAST_BEFORE_WEIGHT=True,
-                BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, num_warps=warps)
+        def fwd(warps=warps, programs=programs, stages=stages, per_sm=per_sm):
+            flags = dict(HAS_WEIGHT=True, CAST_BEFORE_WEIGHT=True, BLOCK_N=block_n, num_warps=warps)
+            if per_sm:
+                k._rms_norm_fwd_rows_kernel[(programs,)](x, w, y, m, d, x.stride(0), 1e-5, 0.0,
+                                                         NUM_STAGES=stages, **flags)
+            else:
+                k._rms_norm_fwd_kernel[(programs,)](x, w, y, m, d, x.stride(0), 1e-5, 0.0, BLOCK_M=block_m, **flags)
         label = f"BLOCK_M={block_m} warps={warps}" + (f" persistent stages={stages} per_sm={per_sm}" if per_sm else "")
         try:
             ms = bench_ms(graphed(fwd))
@@ -80,13 +87,13 @@ def _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem, grid)
     for warps, stages, per_sm in itertools.product(grid.bwd_warps, grid.bwd_stages, grid.per_sm):
         grid = max(1, min(triton.cdiv(m, block_m), sms * per_sm))
         partial = torch.empty(grid, d, device="cuda", dtype=torch.float32)
+        red, block_p, block_d = launch.dw_launch(grid, d)
 
-        def bwd(warps=warps, stages=stages, grid=grid, partial=partial):
+        def bwd(warps=warps, stages=stages, grid=grid, partial=partial, red=red, block_p=block_p, block_d=block_d):
             k._rms_norm_bwd_kernel[(grid,)](
                 dy, x, w, dx, partial, m, d, x.stride(0), 1e-5, 0.0, HAS_WEIGHT=True, COMPUTE_DW=True,
                 ROUND=0, RNE_BY_BITS=False, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, num_warps=warps)
-            k._dw_reduce_kernel[(triton.cdiv(d, k._DW_BLOCK_D),)](
-                partial, dw, grid, d, BLOCK_P=k._DW_BLOCK_P, BLOCK_D=k._DW_BLOCK_D)
+            k._dw_reduce_kernel[(red,)](partial, dw, grid, d, BLOCK_P=block_p, BLOCK_D=block_d)
         try:
             ms = bench_ms(graphed(bwd))
         except Exception as exc:
@@ -97,13 +104,13 @@ def _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem, grid)
     return rows
 
 
-def _print(k, m, d, dtype, ceiling, top, rows, device, elem, block_n) -> None:
+def _print(launch, m, d, dtype, ceiling, top, rows, device, elem, block_n) -> None:
     same = _copy_gbps(fwd_bytes(m, d, elem) // 2)
     print(f"\n### {m}x{d} {dtype}, BLOCK_N={block_n}, ceiling {ceiling:.0f} GB/s "
           f"(a copy of one [{m}, {d}] tensor: {same:.0f} GB/s, {100 * same / ceiling:.1f}%)")
     for kind in ("fwd", "bwd"):
         ranked = sorted((r for r in rows if r[0] == kind), key=lambda r: r[2])
-        cur = _current(k, kind, m, d, device)
+        cur = _current(launch, kind, m, d, elem, device)
         for r in ranked[:top]:
             print(f"{kind} {r[1]:42s} {r[2] * 1e3:8.1f} us {r[3]:7.0f} GB/s {100 * r[3] / ceiling:5.1f}%")
         print(f"{kind} current: {cur}")
@@ -120,12 +127,12 @@ def _copy_gbps(nbytes: int) -> float:
     return 2 * nbytes / bench_ms(graphed(lambda: dst.copy_(src))) / 1e6
 
 
-def _current(k, kind: str, m: int, d: int, device) -> str:
+def _current(launch, kind: str, m: int, d: int, elem: int, device) -> str:
     if kind == "fwd":
-        programs, _, _, warps, stages = k._fwd_launch(m, d, device)
-        return f"warps={warps} stages={stages} grid={programs}"
-    grid, _, _, warps = k._bwd_launch(m, d, device)
-    return f"warps={warps} stages={k._bwd_num_stages()} grid={grid}"
+        persistent, programs, _, _, warps, stages = launch.fwd_launch(m, d, elem, device)
+        return f"warps={warps} stages={stages} grid={programs}" + (" persistent" if persistent else "")
+    grid, _, _, warps, stages = launch.bwd_launch(m, d, elem, device)
+    return f"warps={warps} stages={stages} grid={grid}"
 
 
 def main() -> None:

@@ -21,13 +21,13 @@ to_x_dtype rounding of the cast_before_weight path is treated as identity, as au
 With eager_rounding (backend option numerics="eager") on the cast_before_weight path, g and each
 dw term are rounded to dy's dtype as eager's bf16 ``w * xhat.to(dtype)`` backward stores them:
     g = rnd(float32(dy) * w'),   dw = sum over rows of rnd(float32(dy) * rnd(xhat))
-dw is reduced without atomics: each program of the persistent backward grid keeps an fp32 [D]
-partial sum in registers over its rows and writes it to partial[pid, :]; a second small kernel
-sums the [P, D] partials over P and rounds to weight.dtype.
+dw is reduced without atomics (deterministic): each program of the persistent backward grid keeps
+an fp32 [D] partial sum in registers over its rows and writes it to partial[pid, :]; a second small
+kernel sums the [P, D] partials over P (a fixed tree per column) and rounds to weight.dtype.
 
-Launch: the forward runs one program per row block, or, for rows of 8K+ elements, a persistent grid
-whose loop loads the next row blocks while one is reduced (_fwd_persistent); the backward is always
-persistent (its programs own the dw partial sums).
+Launch (kernels/_rms_norm_launch.py): the forward runs one program per tile of rows, or, for rows
+of 8K+ elements, a persistent grid of 1-D row steps whose loop loads the next rows while one is
+reduced; the backward is always persistent (its programs own the dw partial sums).
 
 Layout: rows must have a contiguous last dim (stride(-1) == 1); other inputs are copied once by
 the host wrapper. D up to ``_MAX_BLOCK_N`` (one row per register tile); wider rows take the
@@ -35,20 +35,17 @@ PyTorch reference path.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from . import _rms_norm_launch as launch
 from ._dispatch import no_double_backward, register_autograd, use_triton
 from ._round import rne_by_bits, round_code, round_ref, round_to
 
 _MAX_BLOCK_N = 65536
-# dw reduction of the [P, D] partials: a [32, 128] fp32 tile per step, D / 128 programs.
-_DW_BLOCK_P = 32
-_DW_BLOCK_D = 128
 
 
 @triton.jit
@@ -68,6 +65,20 @@ def _round_fp32(v, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _fwd_row_math(x, w, eps, D, X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                  CAST_BEFORE_WEIGHT: tl.constexpr, AXIS: tl.constexpr):
+    """y (Y_DTYPE) of an x tile whose rows lie along AXIS (the module doc's forward)."""
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=AXIS, keep_dims=True) / D + eps)
+    xhat = xf * rstd
+    if CAST_BEFORE_WEIGHT:
+        xhat = _round_fp32(xhat, X_DTYPE)
+    if HAS_WEIGHT:
+        xhat = xhat * w
+    return _round_fp32(xhat, Y_DTYPE).to(Y_DTYPE)
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr,  # [M, D] x.dtype, row stride stride_x, col stride 1
     w_ptr,  # [D] weight.dtype, contiguous (dummy pointer when HAS_WEIGHT is False)
@@ -81,29 +92,51 @@ def _rms_norm_fwd_kernel(
     CAST_BEFORE_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
 ):
-    # Program p takes row blocks p, p + P, p + 2P, ... (P = grid size): one block each when the grid
-    # covers M (narrow rows), or a persistent grid whose loop prefetches the next NUM_STAGES - 1 row
-    # blocks while this one is reduced and stored (wide rows; _fwd_persistent).
+    # One [BLOCK_M, BLOCK_N] tile of rows per program (rows narrower than 8K elements).
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < D
+    w = 0.0
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + offset
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (rows < M)[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    y = _fwd_row_math(x, w, eps, D, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty, HAS_WEIGHT,
+                      CAST_BEFORE_WEIGHT, 1)
+    tl.store(y_ptr + rows64[:, None] * D + cols[None, :], y, mask=mask)
+
+
+@triton.jit
+def _rms_norm_fwd_rows_kernel(
+    x_ptr,  # [M, D] x.dtype, row stride stride_x, col stride 1
+    w_ptr,  # [D] weight.dtype, contiguous (dummy pointer when HAS_WEIGHT is False)
+    y_ptr,  # [M, D] out_dtype, contiguous (row stride D)
+    M,
+    D,
+    stride_x,
+    eps,
+    offset,
+    HAS_WEIGHT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    # Persistent grid for wide rows: program p takes rows p, p + P, p + 2P, ... (P = grid size), one
+    # 1-D row per step (no row mask, a scalar row offset), the loop loading the next NUM_STAGES - 1
+    # rows while this one is reduced and stored.
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < D
+    w = 0.0
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-    for row_block in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
-        rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask = (rows < M)[:, None] & col_mask[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        xf = x.to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
-        xhat = xf * rstd[:, None]
-        if CAST_BEFORE_WEIGHT:
-            xhat = _round_fp32(xhat, x_ptr.dtype.element_ty)
-        if HAS_WEIGHT:
-            xhat = xhat * w[None, :]
-        y = _round_fp32(xhat, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + rows64[:, None] * D + cols[None, :], y, mask=mask)
+    for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=NUM_STAGES):
+        row64 = tl.cast(row, tl.int64)
+        x = tl.load(x_ptr + row64 * stride_x + cols, mask=col_mask, other=0.0)
+        y = _fwd_row_math(x, w, eps, D, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty, HAS_WEIGHT,
+                          CAST_BEFORE_WEIGHT, 0)
+        tl.store(y_ptr + row64 * D + cols, y, mask=col_mask)
 
 
 @triton.jit
@@ -168,96 +201,17 @@ def _dw_reduce_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    # BLOCK_D columns per program; the [BLOCK_P, BLOCK_D] tiles are summed elementwise and reduced
+    # once at the end, so the loads of a column block do not wait on each other (latency-bound).
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < D
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
         ps = p0 + tl.arange(0, BLOCK_P)
         mask = (ps < P)[:, None] & col_mask[None, :]
-        acc += tl.sum(tl.load(partial_ptr + ps[:, None] * D + cols[None, :], mask=mask, other=0.0), axis=0)
-    dw = _round_fp32(acc, dw_ptr.dtype.element_ty).to(dw_ptr.dtype.element_ty)
+        acc += tl.load(partial_ptr + ps.to(tl.int64)[:, None] * D + cols[None, :], mask=mask, other=0.0)
+    dw = _round_fp32(tl.sum(acc, axis=0), dw_ptr.dtype.element_ty).to(dw_ptr.dtype.element_ty)
     tl.store(dw_ptr + cols, dw, mask=col_mask)
-
-
-def _block_n(d: int) -> int:
-    """Whole row in one register tile: a power of two >= D, at least one 16-byte vector."""
-    return max(triton.next_power_of_2(d), 16)
-
-
-def _block_m(block_n: int, m: int) -> int:
-    """Several rows per tile for narrow rows (per-head q/k norms), so a tile is ~4K elements."""
-    return max(1, min(4096 // block_n, triton.next_power_of_2(m)))
-
-
-def _num_warps(tile_elems: int) -> int:
-    """Forward: ~64 elements per thread (H200 sweep: 4 warps best up to 8K elements, 8 at 16K)."""
-    return max(4, min(16, tile_elems // (32 * 64)))
-
-
-def _fwd_persistent(tile_elems: int) -> bool:
-    """Tiles of 8K+ elements run a persistent, pipelined forward (H200, 4096x8192 bf16, same run:
-    42.0 us vs 48.1 one tile per program); smaller tiles one per program (16384x4096: the sweep's best)."""
-    return tile_elems >= 8192
-
-
-def _fwd_num_stages() -> int:
-    """Persistent forward: two row blocks prefetched while one is reduced (H200 sweep: 3 beat 2)."""
-    return 3
-
-
-def _fwd_persistent_num_warps() -> int:
-    """Persistent forward: 4 warps (H200 sweep at 4096x8192: 42.0 us, 8 warps 42.1)."""
-    return 4
-
-
-def _fwd_programs_per_sm() -> int:
-    """Persistent forward: 2 programs per SM (H200 sweep at 4096x8192: 42.0 us, 4 per SM 44.3)."""
-    return 2
-
-
-def _bwd_num_warps(tile_elems: int) -> int:
-    """Backward holds x, dy, w and the dw sum per element: ~32 elements per thread (H200 sweep)."""
-    return max(4, min(16, tile_elems // (32 * 32)))
-
-
-def _bwd_num_stages() -> int:
-    """Prefetch the next row blocks' x and dy while this one is reduced (H200: 3 stages beat 1 by ~2x)."""
-    return 3
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter runs programs one after another: a few suffice to test the loop
-
-
-def _bwd_programs_per_sm(tile_elems: int) -> int:
-    """Persistent backward: about as many programs as fit resident (H200: 2 at 4K-element tiles, 1 above)."""
-    return max(1, min(8, 8192 // tile_elems))
-
-
-@functools.lru_cache(maxsize=1024)
-def _fwd_launch(m: int, d: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(programs, BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward on [m, d] rows (cached: host time)."""
-    block_n = _block_n(d)
-    block_m = _block_m(block_n, m)
-    tile = block_m * block_n
-    blocks = triton.cdiv(m, block_m)
-    if _fwd_persistent(tile):
-        programs = min(blocks, _num_sms(device) * _fwd_programs_per_sm())
-        return programs, block_m, block_n, _fwd_persistent_num_warps(), _fwd_num_stages()
-    return blocks, block_m, block_n, _num_warps(tile), 1
-
-
-@functools.lru_cache(maxsize=1024)
-def _bwd_launch(m: int, d: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(persistent programs, BLOCK_M, BLOCK_N, num_warps) of the backward (cached: host time)."""
-    block_n = _block_n(d)
-    block_m = _block_m(block_n, m)
-    tile = block_m * block_n
-    grid = max(1, min(triton.cdiv(m, block_m), _num_sms(device) * _bwd_programs_per_sm(tile)))
-    return grid, block_m, block_n, _bwd_num_warps(tile)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -300,12 +254,13 @@ def _rms_norm(
     m, d = x2.shape
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     w = weight.contiguous() if weight is not None else x2
-    grid, block_m, block_n, num_warps, num_stages = _fwd_launch(m, d, x.device)
-    _rms_norm_fwd_kernel[(grid,)](
-        x2, w, y, m, d, x2.stride(0), eps, offset,
-        HAS_WEIGHT=weight is not None, CAST_BEFORE_WEIGHT=cast_before_weight,
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=num_warps,
-    )
+    persistent, grid, block_m, block_n, num_warps, num_stages = launch.fwd_launch(m, d, x.element_size(), x.device)
+    flags = dict(HAS_WEIGHT=weight is not None, CAST_BEFORE_WEIGHT=cast_before_weight, BLOCK_N=block_n,
+                 num_warps=num_warps)
+    if persistent:
+        _rms_norm_fwd_rows_kernel[(grid,)](x2, w, y, m, d, x2.stride(0), eps, offset, NUM_STAGES=num_stages, **flags)
+    else:
+        _rms_norm_fwd_kernel[(grid,)](x2, w, y, m, d, x2.stride(0), eps, offset, BLOCK_M=block_m, **flags)
     return y
 
 
@@ -328,20 +283,20 @@ def _rms_norm_backward(
     m, d = x2.shape
     dy2 = dy.reshape(m, d).contiguous()
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    grid, block_m, block_n, num_warps = _bwd_launch(m, d, x.device)
+    grid, block_m, block_n, num_warps, num_stages = launch.bwd_launch(m, d, x.element_size(), x.device)
     partial = torch.empty((grid, d) if compute_dw else (1,), dtype=torch.float32, device=x.device)
     w = weight.contiguous() if weight is not None else x2
     _rms_norm_bwd_kernel[(grid,)](
         dy2, x2, w, dx, partial, m, d, x2.stride(0), eps, offset,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
         ROUND=round_code(dy.dtype, eager_rounding and weight is not None), RNE_BY_BITS=rne_by_bits(x.device),
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=_bwd_num_stages(), num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=num_warps,
     )
     if not compute_dw:
         return dx, x.new_empty((0,))
     dw = torch.empty((d,), dtype=weight.dtype, device=x.device)
-    dw_programs = (d + _DW_BLOCK_D - 1) // _DW_BLOCK_D
-    _dw_reduce_kernel[(dw_programs,)](partial, dw, grid, d, BLOCK_P=_DW_BLOCK_P, BLOCK_D=_DW_BLOCK_D)
+    programs, block_p, block_d = launch.dw_launch(grid, d)
+    _dw_reduce_kernel[(programs,)](partial, dw, grid, d, BLOCK_P=block_p, BLOCK_D=block_d)
     return dx, dw
 
 

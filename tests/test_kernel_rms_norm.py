@@ -205,12 +205,12 @@ def test_bench_byte_count():
 
 @pytest.mark.parametrize("style", ["llama", "gemma"])
 def test_persistent_forward_wide_rows(style):
-    """Rows of 8K+ elements take the persistent forward (_fwd_persistent): 37 rows of 8200 -> 8 programs
-    (4 "SMs" on CPU x 2), each looping over 4-5 rows; bf16 within 2x eager's error."""
-    from fxfuse.kernels import rms_norm as k
+    """Rows of 8K+ elements take the persistent row forward (launch.fwd_persistent): 37 rows of 8200
+    -> 16 programs (4 "SMs" on CPU x 4), each looping over 2-3 rows; bf16 within 2x eager's error."""
+    from fxfuse.kernels import _rms_norm_launch as launch
 
-    programs, block_m, block_n, _, stages = k._fwd_launch(37, 8200, torch.device("cpu"))
-    assert (programs, block_m, block_n) == (8, 1, 16384) and stages > 1
+    persistent, programs, block_m, block_n, _, stages = launch.fwd_launch(37, 8200, 2, torch.device("cpu"))
+    assert persistent and (programs, block_m, block_n) == (16, 1, 16384) and stages > 1
     eager, op, w_center = (llama_eager, llama_op, 1.0) if style == "llama" else (gemma_eager, gemma_op, 0.0)
     x, w, dy = _inputs((37,), 8200, torch.bfloat16, w_center)
     ref, got, base = _fp64_grads(eager, x, w, dy), _grads(op, x, w, dy), _grads(eager, x, w, dy)
@@ -218,21 +218,50 @@ def test_persistent_forward_wide_rows(style):
         assert _rel(a, r) <= 2 * _rel(b, r), name
 
 
-@pytest.mark.parametrize("lead,d", [((600,), 40), ((199,), 1000), ((1,), 64)])
-def test_persistent_forward_any_tile(monkeypatch, lead, d):
-    """The persistent loop with several rows per tile and a ragged last block (forced on: narrow rows
-    take it only when _fwd_persistent says so)."""
-    from fxfuse.kernels import rms_norm as k
+@pytest.fixture
+def launch_patch(monkeypatch):
+    """Patch a launch choice of kernels/_rms_norm_launch.py; the cached launches are cleared around it."""
+    from fxfuse.kernels import _rms_norm_launch as launch
 
-    monkeypatch.setattr(k, "_fwd_persistent", lambda tile: True)
-    k._fwd_launch.cache_clear()
-    try:
-        x, w, _ = _inputs(lead, d, torch.float32)
-        got = rms_norm(x, w, EPS, 0.0, True, torch.float32)
-        assert k._fwd_launch(x.numel() // d, d, x.device)[4] > 1
-    finally:
-        k._fwd_launch.cache_clear()
-    assert _rel(got, rms_norm_reference(x, w, EPS, 0.0, True, torch.float32)) < 1e-5
+    cached = (launch.fwd_launch, launch.bwd_launch, launch.dw_launch)
+    for f in cached:
+        f.cache_clear()
+    yield lambda name, fn: monkeypatch.setattr(launch, name, fn)
+    monkeypatch.undo()
+    for f in cached:
+        f.cache_clear()
+
+
+@pytest.mark.parametrize("lead,d", [((600,), 40), ((199,), 1000), ((1,), 64), ((3, 5), 96)])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_persistent_forward_any_width(launch_patch, lead, d, offset):
+    """The persistent row loop on narrow, ragged rows and more programs than rows (forced on: such
+    rows take it only when fwd_persistent says so); with and without weight."""
+    from fxfuse.kernels import _rms_norm_launch as launch
+
+    launch_patch("fwd_persistent", lambda bn: True)
+    x, w, _ = _inputs(lead, d, torch.float32)
+    assert launch.fwd_launch(x.numel() // d, d, 4, x.device)[0]
+    for weight in (w, None):
+        got = rms_norm(x, weight, EPS, offset, True, torch.float32)
+        assert _rel(got, rms_norm_reference(x, weight, EPS, offset, True, torch.float32)) < 1e-5
+
+
+@pytest.mark.parametrize("lead,d", [((600,), 40), ((199,), 1000), ((2, 150), 24)])
+@pytest.mark.parametrize("block_p", [1, 2])
+def test_dw_reduction_loops_over_partials(launch_patch, lead, d, block_p):
+    """dw summed over the [P, D] partials in several [BLOCK_P, BLOCK_D] steps and a ragged last
+    column block (on CPU P <= 32 partials fit one step unless forced smaller)."""
+    from fxfuse.kernels import _rms_norm_launch as launch
+
+    launch_patch("dw_block_p", lambda p, bd: block_p)
+    launch_patch("dw_block_d", lambda d, p: 16)
+    x, w, dy = _inputs(lead, d, torch.float32)
+    grid = launch.bwd_launch(x.numel() // d, d, 4, x.device)[0]
+    assert grid > block_p
+    _, dx, dw = _grads(llama_op, x, w, dy)
+    ref = _fp64_grads(llama_eager, x, w, dy)
+    assert _rel(dx, ref[1]) < 1e-5 and _rel(dw, ref[2]) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -1,0 +1,115 @@
+"""Launch choices of the RMSNorm kernels (kernels/rms_norm.py): tile sizes, warps, stages, grids.
+
+Each choice is a named function with the measurement behind it (H200, bf16, CUDA-graph replay:
+bench/tune_rms_norm.py sweeps launch parameters, bench/probe_rms_norm.py kernel structures;
+numbers in bench/RESULTS.md). The *_launch functions are cached: they run on every call's host path.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+
+def block_n(d: int) -> int:
+    """Whole row in one register tile: a power of two >= D, at least one 16-byte vector."""
+    return max(triton.next_power_of_2(d), 16)
+
+
+def block_m(bn: int, m: int) -> int:
+    """Several rows per tile for narrow rows (per-head q/k norms), so a tile is ~4K elements."""
+    return max(1, min(4096 // bn, triton.next_power_of_2(m)))
+
+
+def fwd_num_warps(tile_elems: int) -> int:
+    """Forward: ~64 elements per thread (H200 sweep: 4 warps best up to 8K elements, 8 at 16K)."""
+    return max(4, min(16, tile_elems // (32 * 64)))
+
+
+def fwd_persistent(bn: int) -> bool:
+    """Rows of 8K+ elements run the persistent row forward, which loads the next rows while one is
+    reduced (H200, 4096x8192: 40.0 us vs 48.1 one row per program); narrower rows one tile per
+    program (16384x4096: 73.9 us vs 74.8 persistent, same run)."""
+    return bn >= 8192
+
+
+def fwd_row_num_warps() -> int:
+    """Persistent row forward: 8 warps (H200 at 4096x8192: 40.0 us; 4 warps 40.1, 16 warps 40.2)."""
+    return 8
+
+
+def fwd_programs_per_sm() -> int:
+    """Persistent row forward: 4 programs per SM (H200 at 4096x8192, 8 warps: 40.0 us, 1 per SM 40.2)."""
+    return 4
+
+
+def row_stages(row_bytes: int, per_row: int = 1) -> int:
+    """Rows in flight per persistent program: 3 (H200: 3 beat 2, 4 within 1%) while their loads fit
+    in 192 KiB (the pipeliner stages them in shared memory; an H200 block has 227 KiB), fewer for
+    wider rows."""
+    return max(1, min(3, (192 << 10) // (row_bytes * per_row)))
+
+
+def bwd_num_warps(tile_elems: int) -> int:
+    """Backward holds x, dy, w and the dw sum per element: ~32 elements per thread (H200 sweep)."""
+    return max(4, min(16, tile_elems // (32 * 32)))
+
+
+def bwd_programs_per_sm(tile_elems: int) -> int:
+    """Persistent backward: about as many programs as fit resident (H200: 2 at 4K-element tiles, 1 above)."""
+    return max(1, min(8, 8192 // tile_elems))
+
+
+def dw_block_d(d: int, programs: int) -> int:
+    """dw reduction: columns per program, so the grid covers ~2 programs per SM. The reduction of
+    the [P, D] partials is latency-bound (H200, 4096x8192: 64 programs of 128 columns, each looping
+    over P in steps of 32, took 12.1 us for 4.3 MB)."""
+    target = max(1, 2 * programs)
+    bd = 128
+    while bd > 16 and triton.cdiv(d, bd) < target:
+        bd //= 2
+    return bd
+
+
+def dw_block_p(p: int, bd: int) -> int:
+    """dw reduction: all P partials of a column block in one [BLOCK_P, BLOCK_D] load while that tile
+    stays within 8K fp32 elements (64 per thread at 4 warps); larger P loops."""
+    return max(1, min(triton.next_power_of_2(p), 8192 // bd))
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter runs programs one after another: a few suffice to test the loop
+
+
+@functools.lru_cache(maxsize=1024)
+def fwd_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[bool, int, int, int, int, int]:
+    """(persistent, programs, BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward on [m, d]
+    rows of elem-byte elements."""
+    bn = block_n(d)
+    if fwd_persistent(bn):
+        programs = min(m, num_sms(device) * fwd_programs_per_sm())
+        return True, programs, 1, bn, fwd_row_num_warps(), row_stages(bn * elem)
+    bm = block_m(bn, m)
+    return False, triton.cdiv(m, bm), bm, bn, fwd_num_warps(bm * bn), 1
+
+
+@functools.lru_cache(maxsize=1024)
+def bwd_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(persistent programs, BLOCK_M, BLOCK_N, num_warps, num_stages) of the backward; its
+    pipelined loads are x and dy (two rows per row of the tile)."""
+    bn = block_n(d)
+    bm = block_m(bn, m)
+    tile = bm * bn
+    grid = max(1, min(triton.cdiv(m, bm), num_sms(device) * bwd_programs_per_sm(tile)))
+    return grid, bm, bn, bwd_num_warps(tile), row_stages(tile * elem, per_row=2)
+
+
+@functools.lru_cache(maxsize=1024)
+def dw_launch(p: int, d: int) -> tuple[int, int, int]:
+    """(programs, BLOCK_P, BLOCK_D) of the dw reduction over P partials of D columns."""
+    bd = dw_block_d(d, p)
+    return triton.cdiv(d, bd), dw_block_p(p, bd), bd
