@@ -7,10 +7,12 @@ tune_rms_norm.py sweeps launch parameters of the shipped kernels; this script ti
 *structures* against them in one process, each under CUDA-graph replay and against the copy
 ceiling and a same-size copy:
   fwd  shipped            kernels/rms_norm.py's forward at its chosen launch (kernels/_rms_norm_launch.py)
+  fwd  rows warps=..       the persistent row forward at other warps / programs per SM
   fwd  tile               the one-tile-per-program forward (what wide rows ran before the row kernel)
   bwd  shipped            row kernel + dw reduction kernel, as shipped
   bwd  no-reduce          the row kernel alone (what the dw reduction adds to the pair)
   bwd  no-dw              the row kernel with COMPUTE_DW=False (what the dw partial sums cost)
+  bwd  no-reduce warps=..  the row kernel at other warps / stages, w held in registers or re-read per row
   bwd  reduce BLOCK_D=..  row kernel + the reduction at other [BLOCK_P, BLOCK_D] tiles and warps
   red  ...                the reduction alone at each tile
 The first round (commit fed1cff: 1-D row kernels, dw folded in by fp32 atomics, a PDL-launched
@@ -51,7 +53,7 @@ def probe(m: int, d: int, ceiling: float, args) -> None:
     dw = torch.empty(d, device="cuda", dtype=dt)
     fb, bb = fwd_bytes(m, d, 2), bwd_bytes(m, d, 2)
     rows: list = []
-    flags = dict(HAS_WEIGHT=True, CAST_BEFORE_WEIGHT=True)
+    flags = dict(HAS_WEIGHT=True, CAST_BEFORE_WEIGHT=True, RNE_BY_BITS=False)
 
     persistent, programs, bm, bn, warps, stages = launch.fwd_launch(m, d, 2, x.device)
     if persistent:
@@ -61,28 +63,35 @@ def probe(m: int, d: int, ceiling: float, args) -> None:
         shipped_fwd = lambda: k._rms_norm_fwd_kernel[(programs,)](  # noqa: E731
             x, w, y, m, d, d, 1e-5, 0.0, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags)
     _time(f"shipped warps={warps} stages={stages} grid={programs}", shipped_fwd, fb, rows, "fwd")
+    for wp, per in itertools.product(args.warps, (1, 2, 4)):
+        g = min(m, launch.num_sms(x.device) * per)
+        _time(f"rows warps={wp} stages={stages} per_sm={per}", lambda wp=wp, g=g: k._rms_norm_fwd_rows_kernel[(g,)](
+            x, w, y, m, d, d, 1e-5, 0.0, BLOCK_N=bn, NUM_STAGES=stages, num_warps=wp, **flags), fb, rows, "fwd")
     tbm = launch.block_m(bn, m)
     for wp in args.warps:
         _time(f"tile warps={wp}", lambda wp=wp: k._rms_norm_fwd_kernel[(triton.cdiv(m, tbm),)](
             x, w, y, m, d, d, 1e-5, 0.0, BLOCK_M=tbm, BLOCK_N=bn, num_warps=wp, **flags), fb, rows, "fwd")
 
-    grid, bm, bn, bw, bs = launch.bwd_launch(m, d, 2, x.device)
+    grid, bm, bn, bw, bs, rw = launch.bwd_launch(m, d, 2, x.device)
     partial = torch.empty(grid, d, device="cuda", dtype=torch.float32)
 
-    def row_kernel(compute_dw=True):
+    def row_kernel(compute_dw=True, warps=bw, stages=bs, reload_w=rw):
         k._rms_norm_bwd_kernel[(grid,)](
-            dy, x, w, dx, partial, m, d, d, 1e-5, 0.0, HAS_WEIGHT=True, COMPUTE_DW=compute_dw,
-            ROUND=0, RNE_BY_BITS=False, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=bs, num_warps=bw)
+            dy, x, w, dx, partial, m, d, d, 1e-5, 0.0, HAS_WEIGHT=True, COMPUTE_DW=compute_dw, ROUND=0,
+            RNE_BY_BITS=False, RELOAD_W=reload_w, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=stages, num_warps=warps)
 
     def reduce(red, bp, bd, wp):
-        k._dw_reduce_kernel[(red,)](partial, dw, grid, d, BLOCK_P=bp, BLOCK_D=bd, num_warps=wp)
+        k._dw_reduce_kernel[(red,)](partial, dw, grid, d, RNE_BY_BITS=False, BLOCK_P=bp, BLOCK_D=bd, num_warps=wp)
 
     red, bp, bd = launch.dw_launch(grid, d)
     tag = f"warps={bw} stages={bs} grid={grid}"
     _time(f"shipped {tag} reduce [{bp}, {bd}] x {red}", lambda: (row_kernel(), reduce(red, bp, bd, 4)), bb, rows, "bwd")
     _time(f"no-reduce {tag}", row_kernel, bb, rows, "bwd")
     _time(f"no-dw {tag}", lambda: row_kernel(compute_dw=False), bb, rows, "bwd")
-    for bd2, cap, wp in itertools.product((16, 32, 64, 128), (2048, 8192, 16384), (4, 8)):
+    for wp, st, reload_w in itertools.product((8, 16, 32), (2, 3), (False, True)):
+        _time(f"no-reduce warps={wp} stages={st} reload_w={reload_w}", lambda a=(wp, st, reload_w): row_kernel(
+            True, *a), bb, rows, "bwd")
+    for bd2, cap, wp in itertools.product((16, 32), (8192, 16384), (4,)):
         bp2 = max(1, min(triton.next_power_of_2(grid), cap // bd2))
         red2 = triton.cdiv(d, bd2)
         label = f"[{bp2}, {bd2}] x {red2} warps={wp}"

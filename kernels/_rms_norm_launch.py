@@ -39,9 +39,11 @@ def fwd_row_num_warps() -> int:
     return 8
 
 
-def fwd_programs_per_sm() -> int:
-    """Persistent row forward: 4 programs per SM (H200 at 4096x8192, 8 warps: 40.0 us, 1 per SM 40.2)."""
-    return 4
+def fwd_programs_per_sm(staged_bytes: int) -> int:
+    """Persistent row forward: 4 programs per SM (H200 at 4096x8192, 8 warps: 40.0 us, 1 per SM 40.2)
+    while their staged rows fit one SM's shared memory together; more would queue as a second wave
+    (2048x16384: 4 per SM staging 96 KiB each ran at 65.6% of the ceiling)."""
+    return max(1, min(4, (224 << 10) // staged_bytes))
 
 
 def row_stages(row_bytes: int, per_row: int = 1) -> int:
@@ -59,6 +61,12 @@ def bwd_num_warps(tile_elems: int) -> int:
 def bwd_programs_per_sm(tile_elems: int) -> int:
     """Persistent backward: about as many programs as fit resident (H200: 2 at 4K-element tiles, 1 above)."""
     return max(1, min(8, 8192 // tile_elems))
+
+
+def bwd_reload_w(tile_elems: int) -> bool:
+    """Backward: hold w in registers across the row loop (re-reading it per row is the candidate
+    for 16K-element tiles, where x, dy, w and the dw sum per element outgrow the registers)."""
+    return False
 
 
 def dw_block_d(d: int, programs: int) -> int:
@@ -91,21 +99,22 @@ def fwd_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[bool, i
     rows of elem-byte elements."""
     bn = block_n(d)
     if fwd_persistent(bn):
-        programs = min(m, num_sms(device) * fwd_programs_per_sm())
-        return True, programs, 1, bn, fwd_row_num_warps(), row_stages(bn * elem)
+        stages = row_stages(bn * elem)
+        programs = min(m, num_sms(device) * fwd_programs_per_sm(stages * bn * elem))
+        return True, programs, 1, bn, fwd_row_num_warps(), stages
     bm = block_m(bn, m)
     return False, triton.cdiv(m, bm), bm, bn, fwd_num_warps(bm * bn), 1
 
 
 @functools.lru_cache(maxsize=1024)
-def bwd_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(persistent programs, BLOCK_M, BLOCK_N, num_warps, num_stages) of the backward; its
+def bwd_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[int, int, int, int, int, bool]:
+    """(persistent programs, BLOCK_M, BLOCK_N, num_warps, num_stages, RELOAD_W) of the backward; its
     pipelined loads are x and dy (two rows per row of the tile)."""
     bn = block_n(d)
     bm = block_m(bn, m)
     tile = bm * bn
     grid = max(1, min(triton.cdiv(m, bm), num_sms(device) * bwd_programs_per_sm(tile)))
-    return grid, bm, bn, bwd_num_warps(tile), row_stages(tile * elem, per_row=2)
+    return grid, bm, bn, bwd_num_warps(tile), row_stages(tile * elem, per_row=2), bwd_reload_w(tile)
 
 
 @functools.lru_cache(maxsize=1024)

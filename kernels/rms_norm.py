@@ -49,14 +49,12 @@ _MAX_BLOCK_N = 65536
 
 
 @triton.jit
-def _round_fp32(v, DTYPE: tl.constexpr):
-    """fp32 v rounded (to nearest, ties to even) to DTYPE's precision, returned as fp32.
-
-    bf16 is rounded with integer ops: Triton's interpreter truncates on fp32 -> bf16 casts, and
-    on GPU this is the same rounding as cvt.rn, so tests on CPU see the GPU's numerics. The
-    final .to(bf16) of the result is then exact everywhere. (NaN payloads are not preserved.)
-    """
-    if DTYPE == tl.bfloat16:
+def _round_fp32(v, DTYPE: tl.constexpr, RNE_BY_BITS: tl.constexpr):
+    """fp32 v rounded (to nearest, ties to even) to DTYPE's precision, returned as fp32; the final
+    .to(DTYPE) of the result is then exact. RNE_BY_BITS (CPU: Triton's interpreter truncates on
+    fp32 -> bf16 casts) rounds bf16 with integer ops, the GPU's cvt.rn rounding, so tests on CPU
+    see the GPU's numerics; on the GPU the cast itself (fewer instructions per element)."""
+    if DTYPE == tl.bfloat16 and RNE_BY_BITS:
         bits = v.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True)
@@ -66,16 +64,16 @@ def _round_fp32(v, DTYPE: tl.constexpr):
 
 @triton.jit
 def _fwd_row_math(x, w, eps, D, X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                  CAST_BEFORE_WEIGHT: tl.constexpr, AXIS: tl.constexpr):
+                  CAST_BEFORE_WEIGHT: tl.constexpr, AXIS: tl.constexpr, RNE_BY_BITS: tl.constexpr):
     """y (Y_DTYPE) of an x tile whose rows lie along AXIS (the module doc's forward)."""
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=AXIS, keep_dims=True) / D + eps)
     xhat = xf * rstd
     if CAST_BEFORE_WEIGHT:
-        xhat = _round_fp32(xhat, X_DTYPE)
+        xhat = _round_fp32(xhat, X_DTYPE, RNE_BY_BITS)
     if HAS_WEIGHT:
         xhat = xhat * w
-    return _round_fp32(xhat, Y_DTYPE).to(Y_DTYPE)
+    return _round_fp32(xhat, Y_DTYPE, RNE_BY_BITS).to(Y_DTYPE)
 
 
 @triton.jit
@@ -90,6 +88,7 @@ def _rms_norm_fwd_kernel(
     offset,
     HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
+    RNE_BY_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -104,7 +103,7 @@ def _rms_norm_fwd_kernel(
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     y = _fwd_row_math(x, w, eps, D, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty, HAS_WEIGHT,
-                      CAST_BEFORE_WEIGHT, 1)
+                      CAST_BEFORE_WEIGHT, 1, RNE_BY_BITS)
     tl.store(y_ptr + rows64[:, None] * D + cols[None, :], y, mask=mask)
 
 
@@ -120,6 +119,7 @@ def _rms_norm_fwd_rows_kernel(
     offset,
     HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
+    RNE_BY_BITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -135,7 +135,7 @@ def _rms_norm_fwd_rows_kernel(
         row64 = tl.cast(row, tl.int64)
         x = tl.load(x_ptr + row64 * stride_x + cols, mask=col_mask, other=0.0)
         y = _fwd_row_math(x, w, eps, D, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty, HAS_WEIGHT,
-                          CAST_BEFORE_WEIGHT, 0)
+                          CAST_BEFORE_WEIGHT, 0, RNE_BY_BITS)
         tl.store(y_ptr + row64 * D + cols, y, mask=col_mask)
 
 
@@ -155,6 +155,7 @@ def _rms_norm_bwd_kernel(
     COMPUTE_DW: tl.constexpr,
     ROUND: tl.constexpr,  # eager's roundings of w * xhat.to(dtype)'s grads: dy * w and dy * xhat
     RNE_BY_BITS: tl.constexpr,
+    RELOAD_W: tl.constexpr,  # w re-read (L1/L2 hits) per row block instead of held in registers
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -163,7 +164,7 @@ def _rms_norm_bwd_kernel(
     num_progs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < D
-    if HAS_WEIGHT:
+    if HAS_WEIGHT and not RELOAD_W:
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
     dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
@@ -178,12 +179,14 @@ def _rms_norm_bwd_kernel(
         rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
         xhat = xf * rstd[:, None]
         if HAS_WEIGHT:
+            if RELOAD_W:
+                w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
             g = round_to(dyf * w[None, :], ROUND, RNE_BY_BITS)
         else:
             g = dyf
         c = tl.sum(g * xhat, axis=1) / D
         dx = rstd[:, None] * (g - xhat * c[:, None])
-        dx = _round_fp32(dx, dx_ptr.dtype.element_ty).to(dx_ptr.dtype.element_ty)
+        dx = _round_fp32(dx, dx_ptr.dtype.element_ty, RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
         tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx, mask=mask)
         if COMPUTE_DW:
             dw_acc += round_to(dyf * round_to(xhat, ROUND, RNE_BY_BITS), ROUND, RNE_BY_BITS)
@@ -198,6 +201,7 @@ def _dw_reduce_kernel(
     dw_ptr,  # [D] weight.dtype, contiguous
     P,
     D,
+    RNE_BY_BITS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -210,7 +214,7 @@ def _dw_reduce_kernel(
         ps = p0 + tl.arange(0, BLOCK_P)
         mask = (ps < P)[:, None] & col_mask[None, :]
         acc += tl.load(partial_ptr + ps.to(tl.int64)[:, None] * D + cols[None, :], mask=mask, other=0.0)
-    dw = _round_fp32(tl.sum(acc, axis=0), dw_ptr.dtype.element_ty).to(dw_ptr.dtype.element_ty)
+    dw = _round_fp32(tl.sum(acc, axis=0), dw_ptr.dtype.element_ty, RNE_BY_BITS).to(dw_ptr.dtype.element_ty)
     tl.store(dw_ptr + cols, dw, mask=col_mask)
 
 
@@ -255,8 +259,8 @@ def _rms_norm(
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     w = weight.contiguous() if weight is not None else x2
     persistent, grid, block_m, block_n, num_warps, num_stages = launch.fwd_launch(m, d, x.element_size(), x.device)
-    flags = dict(HAS_WEIGHT=weight is not None, CAST_BEFORE_WEIGHT=cast_before_weight, BLOCK_N=block_n,
-                 num_warps=num_warps)
+    flags = dict(HAS_WEIGHT=weight is not None, CAST_BEFORE_WEIGHT=cast_before_weight,
+                 RNE_BY_BITS=rne_by_bits(x.device), BLOCK_N=block_n, num_warps=num_warps)
     if persistent:
         _rms_norm_fwd_rows_kernel[(grid,)](x2, w, y, m, d, x2.stride(0), eps, offset, NUM_STAGES=num_stages, **flags)
     else:
@@ -283,20 +287,21 @@ def _rms_norm_backward(
     m, d = x2.shape
     dy2 = dy.reshape(m, d).contiguous()
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    grid, block_m, block_n, num_warps, num_stages = launch.bwd_launch(m, d, x.element_size(), x.device)
+    grid, block_m, block_n, num_warps, num_stages, reload_w = launch.bwd_launch(m, d, x.element_size(), x.device)
     partial = torch.empty((grid, d) if compute_dw else (1,), dtype=torch.float32, device=x.device)
     w = weight.contiguous() if weight is not None else x2
     _rms_norm_bwd_kernel[(grid,)](
         dy2, x2, w, dx, partial, m, d, x2.stride(0), eps, offset,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
         ROUND=round_code(dy.dtype, eager_rounding and weight is not None), RNE_BY_BITS=rne_by_bits(x.device),
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=num_warps,
+        RELOAD_W=reload_w, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=num_warps,
     )
     if not compute_dw:
         return dx, x.new_empty((0,))
     dw = torch.empty((d,), dtype=weight.dtype, device=x.device)
     programs, block_p, block_d = launch.dw_launch(grid, d)
-    _dw_reduce_kernel[(programs,)](partial, dw, grid, d, BLOCK_P=block_p, BLOCK_D=block_d)
+    _dw_reduce_kernel[(programs,)](partial, dw, grid, d, RNE_BY_BITS=rne_by_bits(x.device), BLOCK_P=block_p,
+                                   BLOCK_D=block_d)
     return dx, dw
 
 
