@@ -177,11 +177,13 @@ def lower_group(ms: list, graph: fx.Graph, opts) -> list[fx.Node]:
     cos, sin = _per_channel(graph, ms[0])
     # under autocast q/k are bf16 but cos/sin fp32: eager's product is fp32, so rotate in fp32
     out_dtype = val(ms[0].anchor).dtype
-    q, k = (_as(graph, m.inputs["x"], out_dtype) for m in (ms[0], ms[-1]))
-    k = k if len(ms) == 2 else q  # a lone rotation rotates its input twice
+    lone = len(ms) == 1  # a lone rotation rotates its input twice (k is q)
+    q = _as(graph, ms[0].inputs["x"], out_dtype)
     if ms[0].consts["form"] == "halves_pairs":  # channels (0, 2, 4, .., 1, 3, ..): then the halves form
         q = _deinterleave(graph, q)
-        k = q if len(ms) == 1 else _deinterleave(graph, k)  # a lone rotation: one copy, not two
+    k = q if lone else _as(graph, ms[1].inputs["x"], out_dtype)
+    if ms[0].consts["form"] == "halves_pairs" and not lone:
+        k = _deinterleave(graph, k)
     interleaved = ms[0].consts["form"] in ("complex", "pairs", "interleaved")
     d = int(val(ms[0].inputs["x"]).shape[-1])
     rnd = opts.eager_rounding and _low_precision_products(ms)
@@ -194,7 +196,7 @@ def lower_group(ms: list, graph: fx.Graph, opts) -> list[fx.Node]:
         pair = graph.call_function(torch.ops.fxfuse.rope.default,
                                    (swap(q), swap(k), swap(cos), swap(sin), interleaved, d, rnd))
         return [swap(graph.call_function(operator.getitem, (pair, i))) for i in range(len(ms))]
-    pair = graph.call_function(torch.ops.fxfuse.rope.default, (q, k, cos, sin, interleaved, d))
+    pair = graph.call_function(torch.ops.fxfuse.rope.default, (q, k, cos, sin, interleaved, d, rnd))
     return [graph.call_function(operator.getitem, (pair, i)) for i in range(len(ms))]
 
 

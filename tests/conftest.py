@@ -8,6 +8,14 @@ if os.environ.get("FXFUSE_TEST_DEVICE", "cpu") != "cuda":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# triton.jit reads TRITON_INTERPRET when a kernel module is imported: import every kernel now, so a
+# test that unsets it (to take the PyTorch reference path) is never the first importer, leaving
+# compiled-mode kernels behind for the tests after it ("0 active drivers" on this CPU machine)
+import fxfuse.kernels.linear_cross_entropy  # noqa: E402, F401
+import fxfuse.kernels.rms_norm  # noqa: E402, F401
+import fxfuse.kernels.rope  # noqa: E402, F401
+import fxfuse.kernels.swiglu  # noqa: E402, F401
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -80,3 +80,38 @@ def test_numerics_option():
     assert user.inductor_patches() == {"emulate_precision_casts": False, "max_autotune": True}
     with pytest.raises(ValueError, match="numerics"):
         Options.parse({"numerics": "bf16"})
+
+
+def _hf_rope(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb with rotate_half, cos/sin [B, T, D] broadcast over heads."""
+    def rotate_half(x):
+        return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+@pytest.mark.parametrize("numerics", ["eager", "fp32"])
+def test_bf16_rope_on_contiguous_heads_rounds_like_eager(numerics):
+    """q, k contiguous [B, H, T, D] bf16 (not views of [B, T, H, D] projections): the fused rotation
+    rounds each product as eager's bf16 ops do under numerics="eager", so outputs and gradients equal
+    eager's bit for bit; numerics="fp32" rounds once and differs somewhere."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    b, h, t, d = 2, 4, 33, 64
+    q, k = (torch.randn(b, h, t, d, generator=g).bfloat16() for _ in range(2))
+    ang = torch.randn(b, t, d // 2, generator=g)
+    cos, sin = (torch.cat((f(ang), f(ang)), -1).bfloat16() for f in (torch.cos, torch.sin))
+    gq, gk = (torch.randn(b, h, t, d, generator=g).bfloat16() for _ in range(2))
+
+    def run(fn):
+        qq, kk = (x.clone().requires_grad_() for x in (q, k))
+        oq, ok = fn(qq, kk, cos, sin)
+        torch.autograd.backward((oq, ok), (gq, gk))
+        return oq.detach(), ok.detach(), qq.grad, kk.grad
+
+    n0 = len(fxfuse.compiled_reports())
+    fused = run(torch.compile(_hf_rope, backend="fxfuse", options={"inner": "aot_eager", "numerics": numerics}))
+    assert fxfuse.Report.merge(fxfuse.compiled_reports()[n0:]).counts()["rope"] == 1
+    same = [torch.equal(a, e) for a, e in zip(fused, run(_hf_rope))]
+    assert all(same) if numerics == "eager" else not all(same), same
