@@ -168,13 +168,13 @@ class Case(NamedTuple):
 
 def _provider_row(case: Case, provider: str, args, fast_rows: int | None = None) -> Row:
     """One provider timed on one case; fast_rows forces the fast algorithm's rows per pass."""
-    from fxfuse.kernels import linear_cross_entropy as lean
+    from fxfuse.kernels import _lce_chunks as chunks
 
     n, h, v = case.n, case.h, case.v
     nbytes = lce_bytes(n, h, v, torch.empty((), dtype=case.dtype).element_size(), args.bias, args.frozen_weight)
     flops = lce_flops(n, h, v, args.frozen_weight)
     label = provider if fast_rows is None else f"{provider} R={fast_rows}"
-    lean._CHUNK_OVERRIDE = None if fast_rows is None else (fast_rows, 4096, 4096)
+    chunks._CHUNK_OVERRIDE = None if fast_rows is None else (fast_rows, 4096, 4096)
     try:
         x, w, b, t = _inputs(n, h, v, case.dtype, args)
         if provider.startswith("matmuls"):
@@ -192,7 +192,7 @@ def _provider_row(case: Case, provider: str, args, fast_rows: int | None = None)
         note = f"{flops / ms / 1e9:.0f} TFLOP/s" + (f", {note}" if note else "")
         return Row(case.name, label, ms, gbps, 100 * gbps / case.ceiling, peak_extra_mib(step), err, note)
     finally:
-        lean._CHUNK_OVERRIDE = None
+        chunks._CHUNK_OVERRIDE = None
         torch.cuda.empty_cache()
 
 

@@ -50,7 +50,6 @@ and gradients then equal eager's low-precision ones (tests: < 2e-4, one pass). W
 (N > R = 4096 tokens at H = 4096) dW is rounded to bf16/fp16 once per pass: at 8 passes the
 fp16 test measures ~1.9x eager's dW error (the bound is 2x), so very long batches lose some.
 """
-import functools
 from typing import Optional
 
 import torch
@@ -58,12 +57,10 @@ import triton
 import triton.language as tl
 
 from ._dispatch import use_triton
+from ._lce_chunks import (_addmm_f32_, _block, _cols_per_chunk, _cols_per_group, _mm_f32, _num_warps,
+                          _rows_per_pass, _view)
 from ._round import rne_by_bits, round_code, round_ref, round_to
 
-_DX_ACC_BYTES = 64 << 20
-_LOGITS_BYTES = 16 << 20
-_GRAD_BYTES = 24 << 20
-_CHUNK_OVERRIDE = None  # (rows, cols, group cols): tests force small chunks (fast: rows/pass, cols/tile)
 
 
 @triton.jit
@@ -163,73 +160,6 @@ def _lce_bwd_chunk_kernel(
         dz = (tl.exp(z - lse) - off_target - tl.where(cols == t, on_target, 0.0)) * w
         dz = _dlogits(dz, th, scale, softcap, SOFTCAP, ROUND, RNE_BY_BITS)
         tl.store(g_row + cols, dz.to(g_ptr.dtype.element_ty), mask=mask)
-
-
-@functools.lru_cache(maxsize=256)  # called per chunk: hundreds of times per op call
-def _block(cols: int) -> int:
-    # One tile covers a 1024-wide chunk row; wider chunks loop (4 warps x 8 fp32 per thread).
-    return min(triton.next_power_of_2(cols), 1024)
-
-
-def _num_warps(block: int) -> int:
-    # >= 8 elements per thread keeps loads vectorised; small tiles need few warps.
-    return max(1, min(8, block // 256))
-
-
-def _rows_per_pass(n: int, h: int) -> int:
-    # Tokens whose fp32 dx accumulator [R, H] fits in 64 MiB: the one buffer above the dx+dW floor.
-    if _CHUNK_OVERRIDE is not None:
-        return _CHUNK_OVERRIDE[0]
-    return max(1, min(n, _DX_ACC_BYTES // (4 * h)))
-
-
-def _cols_per_chunk(rows: int, v: int) -> int:
-    # Vocab columns whose fp32 logits chunk [R, C] fits in 16 MiB; a multiple of 128 (GEMM tile).
-    if _CHUNK_OVERRIDE is not None:
-        return _CHUNK_OVERRIDE[1]
-    return min(v, max(128, (_LOGITS_BYTES // (4 * rows)) // 128 * 128))
-
-
-def _cols_per_group(rows: int, cols: int, v: int, element_size: int) -> int:
-    # Vocab columns whose [R, G] logits-gradient buffer fits in 24 MiB, a multiple of cols: the
-    # dx matmul reduces over G, so a wide G means few read-modify-writes of the fp32 dx accumulator.
-    if _CHUNK_OVERRIDE is not None:
-        return _CHUNK_OVERRIDE[2]
-    return min(triton.cdiv(v, cols), max(1, _GRAD_BYTES // (element_size * rows * cols))) * cols
-
-
-def _view(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Contiguous [rows, cols] view of the start of a flat scratch buffer (reused across chunks)."""
-    return buf[: rows * cols].view(rows, cols)
-
-
-# torch >= 2.8: CUDA mm/addmm with an fp32 out_dtype (looked up once: a failed lookup is slow).
-_HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype_out")
-_HAS_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
-
-
-def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """out [M, P] fp32 = a [M, K] @ b [K, P], accumulated in fp32 with no rounding to a's dtype."""
-    if a.dtype == torch.float32:
-        torch.mm(a, b, out=out)
-    elif a.is_cuda and _HAS_MM_OUT_DTYPE:
-        torch.mm(a, b, out_dtype=torch.float32, out=out)
-    elif a.is_cuda:
-        out.copy_(a @ b)  # torch < 2.8: cuBLAS rounds to a's dtype, as eager does
-    else:
-        torch.mm(a.float(), b.float(), out=out)
-
-
-def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc [M, P] fp32 += a [M, K] @ b [K, P]."""
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-    elif a.is_cuda and _HAS_ADDMM_OUT_DTYPE:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    elif a.is_cuda:
-        acc.add_(a @ b)
-    else:
-        acc.addmm_(a.float(), b.float())
 
 
 def _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, scale, low, on_triton):

@@ -37,11 +37,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import linear_cross_entropy as _lean
+from . import _lce_chunks as _chunks
 from ._dispatch import no_double_backward, use_triton
 from ._round import rne_by_bits, round_code
-from .linear_cross_entropy import (_block, _dlogits, _dlogits_reference, _logits, _logits_reference,
-                                   _num_warps, _view)
+from ._lce_chunks import _block, _num_warps, _view
+from .linear_cross_entropy import _dlogits, _dlogits_reference, _logits, _logits_reference
 
 _FAST_BLOCK_BYTES = 64 << 20
 _FAST_MAX_PASSES = 8
@@ -101,16 +101,16 @@ def _lce_fast_rows_kernel(
 
 def _fast_rows_per_pass(n: int, v: int, element_size: int) -> int:
     # <= 8 passes (each rounds dW once; precision) and a logits block >= 64 MiB (big matmuls).
-    if _lean._CHUNK_OVERRIDE is not None:
-        return max(1, min(n, _lean._CHUNK_OVERRIDE[0]))
+    if _chunks._CHUNK_OVERRIDE is not None:
+        return max(1, min(n, _chunks._CHUNK_OVERRIDE[0]))
     rows = max(triton.cdiv(n, _FAST_MAX_PASSES), triton.cdiv(_FAST_BLOCK_BYTES, v * element_size))
     return max(1, min(n, rows))
 
 
 def _fast_tile(v: int) -> int:
     # Columns per step of a row sweep: 4096 = 8 warps x 16 elements; tests force small tiles.
-    if _lean._CHUNK_OVERRIDE is not None:
-        return _block(_lean._CHUNK_OVERRIDE[1])
+    if _chunks._CHUNK_OVERRIDE is not None:
+        return _block(_chunks._CHUNK_OVERRIDE[1])
     return min(triton.next_power_of_2(v), _FAST_TILE)
 
 

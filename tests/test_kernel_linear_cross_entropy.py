@@ -10,6 +10,7 @@ if os.environ.get("FXFUSE_TEST_DEVICE", "cpu") != "cuda":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import fxfuse.kernels._lce_chunks as lce_chunks  # noqa: E402
 import fxfuse.kernels.linear_cross_entropy as lce  # noqa: E402
 import fxfuse.kernels.linear_cross_entropy_fast as lcef  # noqa: E402
 
@@ -28,7 +29,7 @@ def small_chunks(monkeypatch):
     """16-row passes x 64-column logits chunks x 128-column gradient groups: N=37, V=211 runs
     3 passes x 4 chunks in 2 groups (the last pass, chunk and group ragged); the fast path runs
     3 passes of [16, 211] logits blocks swept in 64-column tiles."""
-    monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", (16, 64, 128))
+    monkeypatch.setattr(lce_chunks, "_CHUNK_OVERRIDE", (16, 64, 128))
 
 
 def _inputs(n, h, v, dtype, bias=False, ignore_index=-100, logit_std=1.0, seed=0):
@@ -91,7 +92,7 @@ def test_fp32_parity(n, h, v, bias, ii, red, ls, cap, scale):
 def test_199_rows_reference_path(monkeypatch, algo):
     """The PyTorch chunked fallback (no interpreter) on 199 rows, wider chunks (fast: 4 passes)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", (50, 64, 192))
+    monkeypatch.setattr(lce_chunks, "_CHUNK_OVERRIDE", (50, 64, 192))
     x, w, b, t = _inputs(199, 24, 211, torch.float32, True, logit_std=3.0)
     args = (-100, "mean", 0.1, 4.0, 1.5)
     for g, r in zip(_fwd_bwd(_op(algo), x, w, b, t, *args), _fwd_bwd(EAGER, x, w, b, t, *args)):
@@ -153,7 +154,7 @@ def test_fast_op_skips_unneeded_grads():
 def test_low_precision_vs_fp64(monkeypatch, dtype, chunks, algo, rounding):
     """Error of loss and each grad vs an fp64 reference is <= 2x eager's own error in dtype.
     8passes: dW is rounded to dtype after each of 8 row passes (the bf16 accumulation cost)."""
-    monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", chunks)
+    monkeypatch.setattr(lce_chunks, "_CHUNK_OVERRIDE", chunks)
     x, w, b, t = _inputs(64, 64, 300, dtype, True, logit_std=4.0)
     args = (-100, "mean", 0.1, 0.0, 1.0)
     ref = _fwd_bwd(EAGER, x.double(), w.double(), b.double(), t, *args)
@@ -247,7 +248,7 @@ def test_upstream_grad_scales_and_retain_graph():
 
 
 def test_chunk_plan_budgets(monkeypatch):
-    monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", None)
+    monkeypatch.setattr(lce_chunks, "_CHUNK_OVERRIDE", None)
     # fast: at most 8 passes, a logits block of at least 64 MiB, never more rows than tokens
     assert lcef._fast_rows_per_pass(8192, 128256, 2) == 1024  # 250.5 MiB block
     assert lcef._fast_rows_per_pass(2048, 128256, 2) == 262  # 64 MiB block, 8 passes
@@ -271,7 +272,7 @@ def test_eager_rounding_matches_eager(monkeypatch, dtype, algo, softcap, scale, 
     their gradients where eager's low-precision ops store them: loss and every gradient then equal
     eager's own in dtype (to fp32 summation order; one row pass, so dW is rounded once as eager's).
     Without it the fused head differs from eager by a bf16 rounding of the logits' gradient (~1e-2)."""
-    monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", (64, 128, 256))
+    monkeypatch.setattr(lce_chunks, "_CHUNK_OVERRIDE", (64, 128, 256))
     x, w, b, t = _inputs(37, 64, 300, dtype, True, logit_std=std)
     args = (-100, "mean", 0.1, softcap, scale)
     got = _fwd_bwd(lambda *a: OP(*a, algo, True), x, w, b, t, *args)
@@ -326,7 +327,7 @@ def test_compile_inductor_fast():
 @pytest.mark.parametrize("algo", ALGOS)
 def test_gpu_bf16_vs_fp64(monkeypatch, algo):
     """The CUDA path (cuBLAS matmuls + compiled kernels) at a shape with several passes."""
-    monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", (512, 1024, 2048))
+    monkeypatch.setattr(lce_chunks, "_CHUNK_OVERRIDE", (512, 1024, 2048))
     x, w, b, t = (a.cuda() if a is not None else None
                   for a in _inputs(2000, 512, 5000, torch.bfloat16, True, logit_std=4.0))
     args = (-100, "mean", 0.1, 30.0, 1.0)
@@ -351,6 +352,6 @@ def test_bench_counts(monkeypatch):
     assert bench.lce_flops(n, h, v) == 3 * 2 * n * h * v
     assert round(bench.floor_mib(n, h, v, 2)) == 1066
     assert {"fxfuse", "fxfuse-fast", "matmuls", "matmuls-passes"} <= set(bench.LCE_PROVIDERS)
-    monkeypatch.setattr(lce, "_CHUNK_OVERRIDE", None)  # this file's fixture forces small chunks
+    monkeypatch.setattr(lce_chunks, "_CHUNK_OVERRIDE", None)  # this file's fixture forces small chunks
     assert bench._fast_rows(n, v, 2) == 1024  # the fast algorithm's own pass size at the target shape
     bench._matmul_step(torch.randn(10, 8), torch.randn(30, 8), 4)()  # the floor's three matmuls, 3 passes
