@@ -1,6 +1,7 @@
 """GPU checks of kernel paths the CPU tests run only under Triton's interpreter: the gated-MLP
-activations (relu / relu2 are new since the last device run), RoPE's layout-keeping outputs and
-DeepSeek V3's pairs-in / halves-out rotation compiled with Inductor.
+activations (relu / relu2 are new since the last device run), RoPE's layout-keeping outputs,
+DeepSeek V3's pairs-in / halves-out rotation compiled with Inductor, and RMSNorm across row widths
+whose launches differ (persistent row forward, stages and w re-reads for wide rows).
 
 On the device: ``FXFUSE_TEST_DEVICE=cuda python3 -m pytest -q -m gpu tests/test_gpu_kernels.py``
 (``bash bench/run_all.sh gpu_tests``); deselected without CUDA."""
