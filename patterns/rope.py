@@ -179,11 +179,10 @@ def lower_group(ms: list, graph: fx.Graph, opts) -> list[fx.Node]:
     out_dtype = val(ms[0].anchor).dtype
     lone = len(ms) == 1  # a lone rotation rotates its input twice (k is q)
     q = _as(graph, ms[0].inputs["x"], out_dtype)
+    k = q if lone else _as(graph, ms[1].inputs["x"], out_dtype)
     if ms[0].consts["form"] == "halves_pairs":  # channels (0, 2, 4, .., 1, 3, ..): then the halves form
         q = _deinterleave(graph, q)
-    k = q if lone else _as(graph, ms[1].inputs["x"], out_dtype)
-    if ms[0].consts["form"] == "halves_pairs" and not lone:
-        k = _deinterleave(graph, k)
+        k = q if lone else _deinterleave(graph, k)
     interleaved = ms[0].consts["form"] in ("complex", "pairs", "interleaved")
     d = int(val(ms[0].inputs["x"]).shape[-1])
     rnd = opts.eager_rounding and _low_precision_products(ms)
