@@ -8,7 +8,6 @@
 #                                                  # e.g. E2E_ARGS="--fxfuse-option loss_head=fast --fit batch")
 #   bash bench/run_all.sh tune_rms_norm            # RMSNorm launch-parameter sweep, only when named
 #   bash bench/run_all.sh probe_rms_norm           # RMSNorm kernel-structure candidates, only when named
-#   bash bench/run_all.sh probe_rms_tma            # RMSNorm TMA row forward around its launch, only when named
 #   bash bench/run_all.sh gpu_tests                # the gpu-marked tests (kernels on CUDA), only when named
 #   bash bench/run_all.sh fsdp2                    # 2-GPU FSDP2 step (examples/fsdp2_bench.py), only when named
 #                                                  # (FSDP_ARGS=--checkpointing: activation checkpointing too)
@@ -35,7 +34,7 @@ has rms_norm && run rms_norm --cuda-graph
 has swiglu && run swiglu && run swiglu --cuda-graph
 has rope && run rope && run rope --cuda-graph
 has linear_cross_entropy && run linear_cross_entropy
-for script in tune_rms_norm probe_rms_norm probe_rms_tma; do  # sweeps and probes, only when named
+for script in tune_rms_norm probe_rms_norm; do  # sweeps and probes, only when named
   if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" $script "* ]]; then
     echo "== $script"; timeout "${BENCH_TIMEOUT:-240}" python3 "$repo/bench/$script.py" 2>&1 | tee -a "$out/$script.log" | grep -v Warning
   fi

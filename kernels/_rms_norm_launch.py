@@ -11,14 +11,6 @@ import functools
 import torch
 import triton
 
-try:  # host-side tensor descriptors (TMA): Triton >= 3.4
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:
-    TensorDescriptor = None
-
-# A descriptor box dim holds at most 256 elements: a row is a [D / 256, 256] tile of boxes' rows.
-TMA_CHUNK = 256
-
 
 def block_n(d: int) -> int:
     """Whole row in one register tile: a power of two >= D, at least one 16-byte vector."""
@@ -40,22 +32,6 @@ def fwd_persistent(bn: int) -> bool:
     reduced (H200, 4096x8192: 40.0 us vs 48.1 one row per program); narrower rows one tile per
     program (16384x4096: 73.9 us vs 74.8 persistent, same run)."""
     return bn >= 8192
-
-
-@functools.lru_cache(maxsize=None)
-def fwd_tma(d: int, elem: int, device: torch.device) -> bool:
-    """The persistent row forward fetches rows by bulk tensor copies (TMA) on Hopper+ when D is a
-    multiple of the box chunk and two stages fit (H200, 4096x8192 bf16: 38.4 us vs 41.3 per-thread
-    async copies)."""
-    return (TensorDescriptor is not None and device.type == "cuda" and d % TMA_CHUNK == 0
-            and fwd_tma_stages(triton.next_power_of_2(d // TMA_CHUNK) * TMA_CHUNK * elem) >= 2
-            and torch.cuda.get_device_capability(device) >= (9, 0))
-
-
-def fwd_tma_stages(row_bytes: int) -> int:
-    """TMA row forward: 4 stages, the pipeline buffering 3 rows (H200 at 4096x8192: 38.4 us; 3 stages
-    39.0), fewer while the buffers would pass 192 KiB."""
-    return min(4, 1 + (192 << 10) // row_bytes)
 
 
 def fwd_row_num_warps() -> int:
@@ -129,15 +105,6 @@ def fwd_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[bool, i
         return True, programs, 1, bn, fwd_row_num_warps(), stages
     bm = block_m(bn, m)
     return False, triton.cdiv(m, bm), bm, bn, fwd_num_warps(bm * bn), 1
-
-
-@functools.lru_cache(maxsize=1024)
-def fwd_tma_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(programs, CHUNK, NB, num_warps, num_stages) of the TMA row forward on [m, d] rows."""
-    nb = triton.next_power_of_2(d // TMA_CHUNK)
-    stages = fwd_tma_stages(nb * TMA_CHUNK * elem)
-    programs = min(m, num_sms(device) * fwd_programs_per_sm((stages - 1) * nb * TMA_CHUNK * elem))
-    return programs, TMA_CHUNK, nb, fwd_num_warps(nb * TMA_CHUNK), stages
 
 
 @functools.lru_cache(maxsize=1024)

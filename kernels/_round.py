@@ -41,14 +41,3 @@ def round_to(x, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr):
 def round_ref(x: torch.Tensor, dtype: torch.dtype, enabled: bool) -> torch.Tensor:
     """PyTorch twin of round_to for the reference paths (x fp32 or wider)."""
     return x.to(dtype).to(x.dtype) if enabled and dtype in _CODE else x
-
-
-@triton.jit
-def round_fp32(v, DTYPE: tl.constexpr, RNE_BY_BITS: tl.constexpr):
-    """fp32 v rounded to nearest even at DTYPE's precision, returned as fp32, so its .to(DTYPE)
-    is exact: a kernel's store of a result. The GPU rounds with the cast itself (fewer
-    instructions per element); under the interpreter (RNE_BY_BITS) bf16 by integer ops (NaN kept)."""
-    if DTYPE == tl.bfloat16 and RNE_BY_BITS:
-        return round_to(v, 1, True)
-    else:
-        return v.to(DTYPE).to(tl.float32)

@@ -26,9 +26,8 @@ an fp32 [D] partial sum in registers over its rows and writes it to partial[pid,
 kernel sums the [P, D] partials over P (a fixed tree per column) and rounds to weight.dtype.
 
 Launch (kernels/_rms_norm_launch.py): the forward runs one program per tile of rows, or, for rows
-of 8K+ elements, a persistent grid of row steps whose loop loads the next rows while one is
-reduced (kernels/_rms_norm_rows.py; on Hopper+ by TMA bulk copies where D is a multiple of 256);
-the backward is always persistent (its programs own the dw partial sums).
+of 8K+ elements, a persistent grid of 1-D row steps whose loop loads the next rows while one is
+reduced; the backward is always persistent (its programs own the dw partial sums).
 
 Layout: rows must have a contiguous last dim (stride(-1) == 1); other inputs are copied once by
 the host wrapper. D up to ``_MAX_BLOCK_N`` (one row per register tile); wider rows take the
@@ -44,11 +43,37 @@ import triton.language as tl
 
 from . import _rms_norm_launch as launch
 from ._dispatch import no_double_backward, register_autograd, use_triton
-from ._rms_norm_launch import TensorDescriptor
-from ._rms_norm_rows import _fwd_row_math, _rms_norm_fwd_rows_kernel, _rms_norm_fwd_tma_kernel
-from ._round import rne_by_bits, round_code, round_fp32, round_ref, round_to
+from ._round import rne_by_bits, round_code, round_ref, round_to
 
 _MAX_BLOCK_N = 65536
+
+
+@triton.jit
+def _round_fp32(v, DTYPE: tl.constexpr, RNE_BY_BITS: tl.constexpr):
+    """fp32 v rounded (to nearest, ties to even) to DTYPE's precision, returned as fp32; the final
+    .to(DTYPE) of the result is then exact. RNE_BY_BITS (CPU: Triton's interpreter truncates on
+    fp32 -> bf16 casts) rounds bf16 with integer ops, the GPU's cvt.rn rounding, so tests on CPU
+    see the GPU's numerics; on the GPU the cast itself (fewer instructions per element)."""
+    if DTYPE == tl.bfloat16 and RNE_BY_BITS:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _fwd_row_math(x, w, eps, D, X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                  CAST_BEFORE_WEIGHT: tl.constexpr, AXIS: tl.constexpr, RNE_BY_BITS: tl.constexpr):
+    """y (Y_DTYPE) of an x tile whose rows lie along AXIS (the module doc's forward)."""
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=AXIS, keep_dims=True) / D + eps)
+    xhat = xf * rstd
+    if CAST_BEFORE_WEIGHT:
+        xhat = _round_fp32(xhat, X_DTYPE, RNE_BY_BITS)
+    if HAS_WEIGHT:
+        xhat = xhat * w
+    return _round_fp32(xhat, Y_DTYPE, RNE_BY_BITS).to(Y_DTYPE)
 
 
 @triton.jit
@@ -80,6 +105,38 @@ def _rms_norm_fwd_kernel(
     y = _fwd_row_math(x, w, eps, D, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty, HAS_WEIGHT,
                       CAST_BEFORE_WEIGHT, 1, RNE_BY_BITS)
     tl.store(y_ptr + rows64[:, None] * D + cols[None, :], y, mask=mask)
+
+
+@triton.jit
+def _rms_norm_fwd_rows_kernel(
+    x_ptr,  # [M, D] x.dtype, row stride stride_x, col stride 1
+    w_ptr,  # [D] weight.dtype, contiguous (dummy pointer when HAS_WEIGHT is False)
+    y_ptr,  # [M, D] out_dtype, contiguous (row stride D)
+    M,
+    D,
+    stride_x,
+    eps,
+    offset,
+    HAS_WEIGHT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    RNE_BY_BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    # Persistent grid for wide rows: program p takes rows p, p + P, p + 2P, ... (P = grid size), one
+    # 1-D row per step (no row mask, a scalar row offset), the loop loading the next NUM_STAGES - 1
+    # rows while this one is reduced and stored.
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < D
+    w = 0.0
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=NUM_STAGES):
+        row64 = tl.cast(row, tl.int64)
+        x = tl.load(x_ptr + row64 * stride_x + cols, mask=col_mask, other=0.0)
+        y = _fwd_row_math(x, w, eps, D, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty, HAS_WEIGHT,
+                          CAST_BEFORE_WEIGHT, 0, RNE_BY_BITS)
+        tl.store(y_ptr + row64 * D + cols, y, mask=col_mask)
 
 
 @triton.jit
@@ -129,7 +186,7 @@ def _rms_norm_bwd_kernel(
             g = dyf
         c = tl.sum(g * xhat, axis=1) / D
         dx = rstd[:, None] * (g - xhat * c[:, None])
-        dx = round_fp32(dx, dx_ptr.dtype.element_ty, RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
+        dx = _round_fp32(dx, dx_ptr.dtype.element_ty, RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
         tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx, mask=mask)
         if COMPUTE_DW:
             dw_acc += round_to(dyf * round_to(xhat, ROUND, RNE_BY_BITS), ROUND, RNE_BY_BITS)
@@ -157,7 +214,7 @@ def _dw_reduce_kernel(
         ps = p0 + tl.arange(0, BLOCK_P)
         mask = (ps < P)[:, None] & col_mask[None, :]
         acc += tl.load(partial_ptr + ps.to(tl.int64)[:, None] * D + cols[None, :], mask=mask, other=0.0)
-    dw = round_fp32(tl.sum(acc, axis=0), dw_ptr.dtype.element_ty, RNE_BY_BITS).to(dw_ptr.dtype.element_ty)
+    dw = _round_fp32(tl.sum(acc, axis=0), dw_ptr.dtype.element_ty, RNE_BY_BITS).to(dw_ptr.dtype.element_ty)
     tl.store(dw_ptr + cols, dw, mask=col_mask)
 
 
@@ -165,11 +222,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as an [M, D] view with contiguous last dim (copied only when no such view exists)."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def _tma_aligned(x2: torch.Tensor) -> bool:
-    """A tensor descriptor needs a 16-byte aligned base and row stride."""
-    return x2.data_ptr() % 16 == 0 and x2.stride(0) * x2.element_size() % 16 == 0
 
 
 def _fits_triton(x: torch.Tensor) -> bool:
@@ -209,15 +261,7 @@ def _rms_norm(
     persistent, grid, block_m, block_n, num_warps, num_stages = launch.fwd_launch(m, d, x.element_size(), x.device)
     flags = dict(HAS_WEIGHT=weight is not None, CAST_BEFORE_WEIGHT=cast_before_weight,
                  RNE_BY_BITS=rne_by_bits(x.device), BLOCK_N=block_n, num_warps=num_warps)
-    tma = persistent and launch.fwd_tma(d, x.element_size(), x.device) and _tma_aligned(x2)
-    if tma:
-        grid, chunk, nb, num_warps, num_stages = launch.fwd_tma_launch(m, d, x.element_size(), x.device)
-        flags["num_warps"] = num_warps
-        del flags["BLOCK_N"]
-        desc = TensorDescriptor(x2, [m, d // chunk, chunk], [x2.stride(0), chunk, 1], [1, nb, chunk])
-        _rms_norm_fwd_tma_kernel[(grid,)](desc, w, y, m, d, eps, offset, NB=nb, CHUNK=chunk, NUM_STAGES=num_stages,
-                                          **flags)
-    elif persistent:
+    if persistent:
         _rms_norm_fwd_rows_kernel[(grid,)](x2, w, y, m, d, x2.stride(0), eps, offset, NUM_STAGES=num_stages, **flags)
     else:
         _rms_norm_fwd_kernel[(grid,)](x2, w, y, m, d, x2.stride(0), eps, offset, BLOCK_M=block_m, **flags)

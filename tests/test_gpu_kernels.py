@@ -110,10 +110,9 @@ def test_deepseek_v3_fused_under_inductor():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows,d", [(1, 8192), (199, 8200), (517, 4096), (64, 16384), (77, 12288), (33, 32768), (9, 65536)])
+@pytest.mark.parametrize("rows,d", [(1, 8192), (199, 8200), (517, 4096), (64, 16384), (33, 32768), (9, 65536)])
 def test_rms_norm_wide_rows(dtype, rows, d):
-    """RMSNorm fwd+bwd on the persistent row forwards (TMA where D % 256 == 0 on Hopper+, 12288's
-    48 chunks padded to 64; per-thread copies at 8200) and the persistent backward + dw reduction
+    """RMSNorm fwd+bwd on the persistent row forward and the persistent backward + dw reduction
     across row widths whose loads no longer fit three stages (launch.row_stages): compiles, and
     every output is within 2x eager's error against fp64 (fp32: within 1e-5)."""
     from fxfuse.kernels.rms_norm import rms_norm
