@@ -34,16 +34,27 @@ def fwd_persistent(bn: int) -> bool:
     return bn >= 8192
 
 
-def fwd_row_num_warps() -> int:
-    """Persistent row forward: 8 warps (H200 at 4096x8192: 40.0 us; 4 warps 40.1, 16 warps 40.2)."""
-    return 8
+def fwd_row_num_warps(bn: int) -> int:
+    """Persistent row forward: 4 warps at 8K-element rows, 8 wider (H200, interleaved A/B of CUDA-graph
+    replays, 3 programs per SM, 4 stages: 4096x8192 39.1 us vs 40.2 at 8 warps; 2048x16384 at 8
+    warps 41.3 us, 16 warps 41.2)."""
+    return 4 if bn <= 8192 else 8
+
+
+def fwd_row_stages(row_bytes: int) -> int:
+    """Persistent row forward: 4 rows in flight for rows up to 16 KiB (H200, 4096x8192 bf16, 4 warps,
+    3 per SM: 39.1 us vs 39.8 at 3 stages), else as the backward (row_stages)."""
+    return 4 if row_bytes <= 16 << 10 else row_stages(row_bytes)
 
 
 def fwd_programs_per_sm(staged_bytes: int) -> int:
-    """Persistent row forward: 4 programs per SM (H200 at 4096x8192, 8 warps: 40.0 us, 1 per SM 40.2)
-    while their staged rows fit one SM's shared memory together; more would queue as a second wave
-    (2048x16384: 4 per SM staging 96 KiB each ran at 65.6% of the ceiling)."""
-    return max(1, min(4, (224 << 10) // staged_bytes))
+    """Persistent row forward: at most 3 programs per SM, fewer when their staged rows would not fit
+    one SM's shared memory together. The grid must be one wave of resident programs: at 4096x8192
+    Nsight Compute showed the former 4 per SM (8 warps, 80 registers per thread) fitting only 3,
+    and a persistent grid with a partial second wave runs its last rows one program per SM
+    (4 warps, 4 stages: 3 per SM 39.1 us, 4 per SM 42.4, 6 per SM = two full waves 39.6); wider
+    rows stage more (2048x16384, 96 KiB each: 2 per SM)."""
+    return max(1, min(3, (224 << 10) // staged_bytes))
 
 
 def row_stages(row_bytes: int, per_row: int = 1) -> int:
@@ -100,9 +111,9 @@ def fwd_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[bool, i
     rows of elem-byte elements."""
     bn = block_n(d)
     if fwd_persistent(bn):
-        stages = row_stages(bn * elem)
+        stages = fwd_row_stages(bn * elem)
         programs = min(m, num_sms(device) * fwd_programs_per_sm(stages * bn * elem))
-        return True, programs, 1, bn, fwd_row_num_warps(), stages
+        return True, programs, 1, bn, fwd_row_num_warps(bn), stages
     bm = block_m(bn, m)
     return False, triton.cdiv(m, bm), bm, bn, fwd_num_warps(bm * bn), 1
 
