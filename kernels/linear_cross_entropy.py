@@ -333,9 +333,18 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
         return loss
     rows, _ = torch.ops.fxfuse.linear_cross_entropy_fwd(
         x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_scale, eager_rounding)
-    if reduction == "sum":
-        return rows.sum()
-    return rows.sum() / (target != ignore_index).sum()
+    return _reduce_like_eager(rows, target, ignore_index, reduction)
+
+
+def _reduce_like_eager(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """sum(rows) or sum(rows) / count(target != ignore_index), summed by F.nll_loss as eager's
+    F.cross_entropy sums its rows: rows.sum()'s order follows the CPU's vector width (AVX2 and
+    AVX-512 machines round differently), nll_loss's cascade does not. Ignored rows are 0 in rows
+    and skipped here; an all-ignored "mean" batch is 0 / 0 = nan, as eager."""
+    pick = 1 if ignore_index == 0 else 0  # a column index that is not ignore_index
+    picks = torch.where(target == ignore_index, ignore_index, pick)
+    return torch.nn.functional.nll_loss((-rows)[:, None].expand(rows.shape[0], pick + 1), picks,
+                                        ignore_index=ignore_index, reduction=reduction)
 
 
 def linear_cross_entropy_eager(x, weight, bias, target, ignore_index=-100, reduction="mean",
