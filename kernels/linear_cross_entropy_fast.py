@@ -41,7 +41,7 @@ from . import _lce_chunks as _chunks
 from ._dispatch import no_double_backward, use_triton
 from ._round import rne_by_bits, round_code
 from ._lce_chunks import _block, _num_warps, _view
-from .linear_cross_entropy import _dlogits, _dlogits_reference, _logits, _logits_reference
+from .linear_cross_entropy import _dlogits, _dlogits_reference, _logits, _logits_reference, _reduce_like_eager
 
 _FAST_BLOCK_BYTES = 64 << 20
 _FAST_MAX_PASSES = 8
@@ -174,7 +174,7 @@ def linear_cross_entropy_fast(
             dw.addmm_(z.T, xs)
         if need_db:
             db += z.sum(0, dtype=torch.float32)
-    loss = loss_rows.sum() / count if reduction == "mean" else loss_rows.sum()
+    loss = _reduce_like_eager(loss_rows, target, ignore_index, reduction)
     return loss, dx, dw, db.to(bias.dtype) if need_db else x.new_empty(0)
 
 

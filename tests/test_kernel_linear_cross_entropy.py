@@ -117,7 +117,7 @@ def test_all_ignored(red, algo):
 @pytest.mark.parametrize("red", ["mean", "sum"])
 @pytest.mark.parametrize("ignored", [False, True])
 def test_rows_reduced_like_eager(n, ii, red, ignored):
-    """The lean op's row losses are summed in F.cross_entropy's own order, so given eager's rows the
+    """Both algorithms' row losses are summed in F.cross_entropy's own order, so given eager's rows the
     loss is eager's to the bit on any CPU (rows.sum() follows the vector width: on an AVX2 machine it
     differed from eager in the last bit at n = 8 and 128 with no row ignored); ignore_index 0 and an
     all-ignored batch (n = 1, every third row ignored) included."""
