@@ -23,7 +23,8 @@ MLA_TINY = dict(head_dim=4, num_key_value_heads=4, qk_rope_head_dim=4, qk_nope_h
             kv_lora_rank=16, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1)
 
-# model type -> config overrides on top of TINY (only where the architecture needs them)
+# model type -> config overrides on top of TINY (where the architecture needs them, or where its
+# defaults keep full-size tensors: every entry stays below ~0.2M parameters)
 HF_ZOO: dict[str, dict] = {
     "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "gemma": {}, "gemma2": {}, "gemma3_text": {},
     "phi3": {}, "phi": {}, "gpt_neox": {"rotary_pct": 0.5}, "mixtral": {"num_local_experts": 4},
@@ -31,8 +32,11 @@ HF_ZOO: dict[str, dict] = {
     "olmo": {}, "olmo2": {}, "stablelm": {}, "cohere": {}, "starcoder2": {}, "granite": {}, "glm": {},
     "helium": {}, "smollm3": {}, "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
     "opt": {"ffn_dim": 48, "word_embed_proj_dim": 32, "dropout": 0.0}, "bloom": {},
-    "llama4_text": {}, "qwen3_moe": {}, "gpt_oss": {}, "nanochat": {}, "lfm2": {},
-    "gemma4_text": {}, "olmo3": {}, "glm4": {}, "ernie4_5": {}, "exaone4": {}, "seed_oss": {}, "cohere2": {},
+    "llama4_text": {}, "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 16, "num_experts_per_tok": 2},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2}, "nanochat": {}, "lfm2": {},
+    # Gemma 4's defaults hold a 262144 x 256 per-layer embedding per layer (134M parameters at TINY)
+    # and 512-wide heads in its full-attention layers
+    "gemma4_text": {"vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 8, "global_head_dim": 16}, "olmo3": {}, "glm4": {}, "ernie4_5": {}, "exaone4": {}, "seed_oss": {}, "cohere2": {},
     "apertus": {}, "bitnet": {}, "minimax": {}, "deepseek_v2": MLA_TINY, "deepseek_v3": MLA_TINY,
 }
 
@@ -110,6 +114,7 @@ def summary(r: Result) -> str:
     lines = [f"{r.name}: " + ", ".join(f"{p} {cell(r, p)}" for p in PATTERN_NAMES)]
     lines.append(f"  fp32 parity: loss rel err {r.loss_err:.2e}, worst gradient rel err {r.grad_err:.2e} -> "
                  f"{'ok' if r.parity_ok else 'FAIL'}")
+    lines += [f"    judged against an fp64 run: {line}" for line in r.fp64]
     if r.bf16_max_rel is not None:
         lines.append(f"  bf16 autocast, 20 AdamW steps: largest loss divergence {r.bf16_max_rel:.2e} -> "
                      f"{'ok' if r.bf16_ok else 'FAIL'}")

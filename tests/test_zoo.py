@@ -60,3 +60,15 @@ def test_harness_zeroes_config_randomness():
     phimoe = without_randomness(hf_config("phimoe"))
     assert hf_config("phimoe").router_jitter_noise > 0 and phimoe.router_jitter_noise == 0.0
     assert without_randomness(hf_config("llama")).to_dict() == hf_config("llama").to_dict()
+
+
+def test_zoo_configs_stay_tiny():
+    """A default that keeps a full-size tensor (Gemma 4's 262144-row per-layer embedding was 134M
+    parameters) makes an entry minutes slower under the interpreter without testing anything more."""
+    from transformers import AutoModelForCausalLM
+
+    from fxfuse.zoo import HF_ZOO, hf_config
+
+    sizes = {name: sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config(name)).parameters())
+             for name in HF_ZOO}
+    assert max(sizes.values()) < 250_000, {k: v for k, v in sizes.items() if v >= 250_000}

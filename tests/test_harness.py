@@ -1,0 +1,81 @@
+"""The harness's parity rule: fxfuse vs eager fp32 within FP32_TOL, or, for a tensor that misses it,
+at least as accurate as eager fp32 against an fp64 run (fp64_verdict). Exact errors are built in by
+construction here so each case sits on a known side of the rule."""
+import torch
+
+from fxfuse.harness import FP32_TOL, as_accurate_as_eager, fp64_run, fp64_verdict, grad_errors, rel_err
+
+
+def _noisy(exact: torch.Tensor, rel: float, seed: int) -> torch.Tensor:
+    """exact + noise of relative norm rel; noises of different seeds are made orthogonal to seed 0's."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(exact.shape, generator=g, dtype=torch.float64)
+    if seed:
+        e0 = torch.randn(exact.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        e = e - (e * e0).sum() / (e0 * e0).sum() * e0
+    return exact + e * (rel * exact.norm() / e.norm())
+
+
+def _case(got_rel: float):
+    exact = torch.randn(1000, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    eager = _noisy(exact, 1e-5, 0)  # eager fp32's own error: right at FP32_TOL
+    return _noisy(exact, got_rel, 1), eager, exact
+
+
+def test_equal_accuracy_passes_though_it_misses_eager_by_more_than_the_tolerance():
+    got, eager, exact = _case(1e-5)
+    assert rel_err(got, eager) > FP32_TOL  # sqrt(2) * 1e-5: the plain comparison fails
+    assert as_accurate_as_eager(got, eager, exact)
+
+
+def test_less_accurate_than_eager_fails():
+    got, eager, exact = _case(3e-5)
+    assert not as_accurate_as_eager(got, eager, exact)
+
+
+def test_verdict_judges_only_the_tensors_that_missed():
+    got, eager, exact = _case(1e-5)
+    bad, _, _ = _case(3e-5)
+    loss = torch.tensor(2.0, dtype=torch.float64)
+    grads, ref = {"a": got, "b": exact.clone()}, {"a": eager, "b": exact.clone()}
+    ok, lines = fp64_verdict(loss, grads, loss, ref, (loss, {"a": exact, "b": exact}))
+    assert ok and len(lines) == 1 and lines[0].startswith("a:") and "as accurate as eager" in lines[0]
+    ok, lines = fp64_verdict(loss, {"a": bad, "b": exact}, loss, ref, (loss, {"a": exact, "b": exact}))
+    assert not ok and "LESS ACCURATE" in lines[0]
+    ok, lines = fp64_verdict(loss * (1 + 1e-3), grads, loss, ref, (loss, {"a": exact, "b": exact}))
+    assert not ok and lines[0].startswith("loss:")  # eager's loss is exact here: 1e-3 off is wrong
+
+
+def test_verdict_fails_without_an_fp64_run():
+    got, eager, exact = _case(1e-5)
+    loss = torch.tensor(1.0)
+    ok, lines = fp64_verdict(loss, {"a": got}, loss, {"a": eager}, None)
+    assert not ok and "no fp64 run" in lines[0]
+
+
+def test_nonzero_where_eager_is_zero_is_never_rescued():
+    big = torch.randn(100, dtype=torch.float64)
+    ref = {"w": big, "bias": torch.zeros(8, dtype=torch.float64)}
+    grads = {"w": big.clone(), "bias": torch.full((8,), 1e-2, dtype=torch.float64)}
+    assert grad_errors(grads, ref)["bias"] == float("inf")
+    loss = torch.tensor(1.0)
+    ok, lines = fp64_verdict(loss, grads, loss, ref, (loss, {"w": big, "bias": grads["bias"]}))
+    assert not ok and lines[0].startswith("bias:")
+
+
+def test_fp64_run_gives_double_gradients_and_none_for_an_fp32_only_model():
+    lin = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    loss, grads = fp64_run(lin, {"input": x}, lambda out: out.square().sum())
+    assert loss.dtype == torch.float64 and grads["weight"].dtype == torch.float64
+    assert rel_err(grads["weight"], 2 * ((x.double() @ lin.weight.double().T + lin.bias.double()).T @ x.double())) < 1e-12
+
+    class Fp32Only(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, input):
+            return input.float() @ self.w  # an fp32 input against an fp64 weight: a dtype error
+
+    assert fp64_run(Fp32Only(), {"input": x}, lambda out: out.sum()) is None
