@@ -219,9 +219,9 @@ def check(name: str, build: Callable[[], nn.Module], inputs: dict, loss_of=lambd
     compiled = torch.compile(mine, backend="fxfuse", options={"inner": inner})
     loss, grads = step(mine, compiled, inputs, loss_of)
     report = Report.merge(fxfuse.compiled_reports()[n0:])
-    grad_err = grad_error(grads, ref_grads)
+    loss_err, grad_err = rel_err(loss, ref_loss), grad_error(grads, ref_grads)
     fp64_ok, fp64 = False, []
-    if not (rel_err(loss, ref_loss) < FP32_TOL and grad_err < FP32_TOL) and grads.keys() == ref_grads.keys():
+    if not (loss_err < FP32_TOL and grad_err < FP32_TOL) and grads.keys() == ref_grads.keys():
         fp64_ok, fp64 = fp64_verdict(loss, grads, ref_loss, ref_grads, fp64_run(model, inputs, loss_of))
     bf16 = None
     if bf16_steps:
@@ -235,5 +235,4 @@ def check(name: str, build: Callable[[], nn.Module], inputs: dict, loss_of=lambd
     for s in report.unmatched:
         reasons.setdefault(s.pattern, []).append(s.reason)
     reasons.update({"graph": report.errors} if report.errors else {})
-    return Result(name, expected, report.counts(), rel_err(loss, ref_loss), grad_err, bf16, reasons, fp64,
-                  fp64_ok)
+    return Result(name, expected, report.counts(), loss_err, grad_err, bf16, reasons, fp64, fp64_ok)
