@@ -15,6 +15,7 @@ _DX_ACC_BYTES = 64 << 20
 _LOGITS_BYTES = 16 << 20
 _GRAD_BYTES = 24 << 20
 _CHUNK_OVERRIDE = None  # (rows, cols, group cols): tests force small chunks (fast: rows/pass, cols/tile)
+_ROWS_PER_PROGRAM_OVERRIDE = None  # tests run the interpreter with the GPU's 1 row per program too
 
 
 @functools.lru_cache(maxsize=256)  # called per chunk: hundreds of times per op call
@@ -26,6 +27,17 @@ def _block(cols: int) -> int:
 def _num_warps(block: int) -> int:
     # >= 8 elements per thread keeps loads vectorised; small tiles need few warps.
     return max(1, min(8, block // 256))
+
+
+def _rows_per_program(rows: int, block: int, device: torch.device) -> int:
+    # Rows per program of the row kernels. GPU: 1 (a row's sweep over V streams whole tiles; rows
+    # spread over the SMs). Triton's interpreter (CPU tests) runs programs one after another at
+    # ~20 ms each however small: as many rows as fit a 16K-element [rows, block] tile.
+    if _ROWS_PER_PROGRAM_OVERRIDE is not None:
+        return _ROWS_PER_PROGRAM_OVERRIDE
+    if device.type != "cpu":
+        return 1
+    return min(triton.next_power_of_2(max(rows, 1)), max(1, (1 << 14) // block))
 
 
 def _rows_per_pass(n: int, h: int) -> int:

@@ -58,7 +58,7 @@ import triton.language as tl
 
 from ._dispatch import use_triton
 from ._lce_chunks import (_addmm_f32_, _block, _cols_per_chunk, _cols_per_group, _mm_f32, _num_warps,
-                          _rows_per_pass, _view)
+                          _rows_per_pass, _rows_per_program, _view)
 from ._round import rne_by_bits, round_code, round_ref, round_to
 
 
@@ -103,33 +103,34 @@ def _lce_fwd_chunk_kernel(
     bias_ptr,  # [V] bias (any float dtype), offset to v0 by the host; unused unless HAS_BIAS
     target_ptr,  # [N] int64 targets
     state_ptr,  # [4, N] fp32, contiguous: running max, running sum-exp, target logit, logit sum
-    n0, v0, C, N, stride_z, scale, softcap,
+    n0, v0, R, C, N, stride_z, scale, softcap,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    r = tl.program_id(0)
+    r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BLOCK_N, 1] rows of the chunk
+    r_ok = r < R
     row = n0 + r
     z_row = z_ptr + r.to(tl.int64) * stride_z
-    t = tl.load(target_ptr + row) - v0
-    m = tl.load(state_ptr + row)
-    s = tl.load(state_ptr + N + row)
-    zt = 0.0
-    zsum = 0.0
+    t = tl.load(target_ptr + row, mask=r_ok, other=0) - v0
+    m = tl.load(state_ptr + row, mask=r_ok, other=0.0)
+    s = tl.load(state_ptr + N + row, mask=r_ok, other=0.0)
+    zt = tl.zeros([BLOCK_N, 1], tl.float32)
+    zsum = tl.zeros([BLOCK_N, 1], tl.float32)
     for c0 in range(0, C, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        mask = cols < C
+        cols = c0 + tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+        mask = r_ok & (cols < C)
         zr = tl.load(z_row + cols, mask=mask, other=0.0)
         z, _ = _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS, SOFTCAP, ROUND, RNE_BY_BITS)
         z = tl.where(mask, z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m_new = tl.maximum(m, tl.max(z, axis=1, keep_dims=True))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=1, keep_dims=True)
         m = m_new
-        zt += tl.sum(tl.where(cols == t, z, 0.0), axis=0)
-        zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
-    tl.store(state_ptr + row, m)
-    tl.store(state_ptr + N + row, s)
-    tl.store(state_ptr + 2 * N + row, tl.load(state_ptr + 2 * N + row) + zt)
-    tl.store(state_ptr + 3 * N + row, tl.load(state_ptr + 3 * N + row) + zsum)
+        zt += tl.sum(tl.where(cols == t, z, 0.0), axis=1, keep_dims=True)
+        zsum += tl.sum(tl.where(mask, z, 0.0), axis=1, keep_dims=True)
+    tl.store(state_ptr + row, m, mask=r_ok)
+    tl.store(state_ptr + N + row, s, mask=r_ok)
+    tl.store(state_ptr + 2 * N + row, tl.load(state_ptr + 2 * N + row, mask=r_ok) + zt, mask=r_ok)
+    tl.store(state_ptr + 3 * N + row, tl.load(state_ptr + 3 * N + row, mask=r_ok) + zsum, mask=r_ok)
 
 
 @triton.jit
@@ -140,21 +141,22 @@ def _lce_bwd_chunk_kernel(
     target_ptr,  # [N] int64 targets
     lse_ptr,  # [N] fp32 logsumexp of each row's logits
     drow_ptr,  # [N] fp32 grad of each row's loss (may be inf on ignored rows: masked here)
-    n0, v0, C, stride_z, stride_g, ignore_index, scale, softcap, on_target, off_target,
+    n0, v0, R, C, stride_z, stride_g, ignore_index, scale, softcap, on_target, off_target,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    r = tl.program_id(0)
+    r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BLOCK_N, 1] rows of the chunk
+    r_ok = r < R
     row = n0 + r
     z_row = z_ptr + r.to(tl.int64) * stride_z
     g_row = g_ptr + r.to(tl.int64) * stride_g
-    t = tl.load(target_ptr + row)
-    w = tl.where(t == ignore_index, 0.0, tl.load(drow_ptr + row))
+    t = tl.load(target_ptr + row, mask=r_ok, other=ignore_index)
+    w = tl.where(t == ignore_index, 0.0, tl.load(drow_ptr + row, mask=r_ok, other=0.0))
     t = t - v0
-    lse = tl.load(lse_ptr + row)
+    lse = tl.load(lse_ptr + row, mask=r_ok, other=0.0)
     for c0 in range(0, C, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        mask = cols < C
+        cols = c0 + tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+        mask = r_ok & (cols < C)
         zr = tl.load(z_row + cols, mask=mask, other=0.0)
         z, th = _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS, SOFTCAP, ROUND, RNE_BY_BITS)
         dz = (tl.exp(z - lse) - off_target - tl.where(cols == t, on_target, 0.0)) * w
@@ -169,10 +171,11 @@ def _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, scale, low
         return _fwd_chunk_reference(z, bias, target, state, n0, v0, softcap, scale, low)
     b = bias[v0:] if bias is not None else z
     block = _block(cols)
-    _lce_fwd_chunk_kernel[(rows,)](
-        z, b, target, state, n0, v0, cols, target.shape[0], z.stride(0), scale, softcap,
+    block_n = _rows_per_program(rows, block, z.device)
+    _lce_fwd_chunk_kernel[(triton.cdiv(rows, block_n),)](
+        z, b, target, state, n0, v0, rows, cols, target.shape[0], z.stride(0), scale, softcap,
         HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, ROUND=round_code(low, low is not None),
-        RNE_BY_BITS=rne_by_bits(z.device), BLOCK=block, num_warps=_num_warps(block),
+        RNE_BY_BITS=rne_by_bits(z.device), BLOCK_N=block_n, BLOCK=block, num_warps=_num_warps(block),
     )
 
 
@@ -186,11 +189,12 @@ def _bwd_chunk(z, g, bias, target, lse, drow, n0, v0, ignore_index, smoothing, v
         return
     b = bias[v0:] if bias is not None else z
     block = _block(cols)
-    _lce_bwd_chunk_kernel[(rows,)](
-        z, g, b, target, lse, drow, n0, v0, cols, z.stride(0), g.stride(0), ignore_index, scale,
+    block_n = _rows_per_program(rows, block, z.device)
+    _lce_bwd_chunk_kernel[(triton.cdiv(rows, block_n),)](
+        z, g, b, target, lse, drow, n0, v0, rows, cols, z.stride(0), g.stride(0), ignore_index, scale,
         softcap, on_target, off_target,
         HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, ROUND=round_code(low, low is not None),
-        RNE_BY_BITS=rne_by_bits(z.device), BLOCK=block, num_warps=_num_warps(block),
+        RNE_BY_BITS=rne_by_bits(z.device), BLOCK_N=block_n, BLOCK=block, num_warps=_num_warps(block),
     )
 
 

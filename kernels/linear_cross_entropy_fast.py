@@ -12,7 +12,8 @@ count computed on the device (no host sync: an all-ignored "mean" batch gives w 
 
 Forward, per pass of R tokens (rows n0:n0+R):
     zb = x_pass @ W.T (+ b)   [R, V] in the input dtype (matmul 1; eager rounds its logits likewise)
-    row kernel, one program per row, two sweeps over V in tiles, fp32 math on the upcast zb:
+    row kernel, one program per row (many under the interpreter), two sweeps over V in tiles, fp32
+    math on the upcast zb:
         sweep 1: online max / sum-exp (and logit sum for label smoothing) -> lse_n, row_n
         sweep 2: dzr_n (grad of the raw x @ W.T + b), rounded to the input dtype, over zb in place
     dx[pass] = dzr @ W (matmul 2, into dx's rows), dW (+)= dzr.T @ x_pass (matmul 3: the first pass
@@ -40,7 +41,7 @@ import triton.language as tl
 from . import _lce_chunks as _chunks
 from ._dispatch import no_double_backward, use_triton
 from ._round import rne_by_bits, round_code
-from ._lce_chunks import _block, _num_warps, _view
+from ._lce_chunks import _block, _num_warps, _rows_per_program, _view
 from .linear_cross_entropy import _dlogits, _dlogits_reference, _logits, _logits_reference, _reduce_like_eager
 
 _FAST_BLOCK_BYTES = 64 << 20
@@ -54,44 +55,45 @@ def _lce_fast_rows_kernel(
     target_ptr,  # [N] int64 targets
     loss_ptr,  # [N] fp32 out: row losses (0 on ignored rows)
     w_ptr,  # [1] fp32 per-row weight of the reduction: 1 ("sum") or 1 / count ("mean")
-    n0, V, stride_z, ignore_index, scale, softcap, on_target, off_target, smoothing,
+    n0, R, V, stride_z, ignore_index, scale, softcap, on_target, off_target, smoothing,
     SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    r = tl.program_id(0)
+    r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BLOCK_N, 1] rows of the pass
+    r_ok = r < R
     row = n0 + r
     z_row = z_ptr + r.to(tl.int64) * stride_z
-    t = tl.load(target_ptr + row)
+    t = tl.load(target_ptr + row, mask=r_ok, other=ignore_index)
     ignored = t == ignore_index
     # sweep 1: online max and sum-exp (and logit sum) over the row
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.full((), 0.0, tl.float32)
-    zsum = tl.full((), 0.0, tl.float32)
+    m = tl.full([BLOCK_N, 1], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_N, 1], tl.float32)
+    zsum = tl.zeros([BLOCK_N, 1], tl.float32)
     for v0 in range(0, V, BLOCK):
-        cols = v0 + tl.arange(0, BLOCK)
-        mask = cols < V
+        cols = v0 + tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+        mask = r_ok & (cols < V)
         zr = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
         z, _ = _logits(zr, z_row, cols, mask, scale, softcap, False, SOFTCAP, ROUND, RNE_BY_BITS)
         if SMOOTHING:
-            zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            zsum += tl.sum(tl.where(mask, z, 0.0), axis=1, keep_dims=True)
         z = tl.where(mask, z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m_new = tl.maximum(m, tl.max(z, axis=1, keep_dims=True))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=1, keep_dims=True)
         m = m_new
     lse = m + tl.log(s)
     # the target logit: one load (a target outside [0, V) is clamped, not checked: no host syncs)
     tc = tl.minimum(tl.maximum(t, 0), V - 1)
-    zt, _ = _logits(tl.load(z_row + tc).to(tl.float32), z_row, tc, True, scale, softcap, False, SOFTCAP,
-                    ROUND, RNE_BY_BITS)
+    zt, _ = _logits(tl.load(z_row + tc, mask=r_ok, other=0.0).to(tl.float32), z_row, tc, r_ok, scale,
+                    softcap, False, SOFTCAP, ROUND, RNE_BY_BITS)
     loss = lse - zt
     if SMOOTHING:
         loss = (1.0 - smoothing) * loss + smoothing * (lse - zsum / V)
-    tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss))
+    tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss), mask=r_ok)
     # sweep 2: dzr = w * (softmax - on_target * onehot - off_target) through _logits' chain rule
     w = tl.where(ignored, 0.0, tl.load(w_ptr))
     for v0 in range(0, V, BLOCK):
-        cols = v0 + tl.arange(0, BLOCK)
-        mask = cols < V
+        cols = v0 + tl.arange(0, BLOCK)[None, :]
+        mask = r_ok & (cols < V)
         zr = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
         z, th = _logits(zr, z_row, cols, mask, scale, softcap, False, SOFTCAP, ROUND, RNE_BY_BITS)
         dz = (tl.exp(z - lse) - off_target - tl.where(cols == t, on_target, 0.0)) * w
@@ -125,11 +127,12 @@ def _fast_rows(z, target, loss_rows, w, n0, ignore_index, smoothing, softcap, sc
         z.copy_(dz)
         return
     block = _fast_tile(vocab)
-    _lce_fast_rows_kernel[(rows,)](
-        z, target, loss_rows, w, n0, vocab, z.stride(0), ignore_index, scale, softcap,
+    block_n = _rows_per_program(rows, block, z.device)
+    _lce_fast_rows_kernel[(triton.cdiv(rows, block_n),)](
+        z, target, loss_rows, w, n0, rows, vocab, z.stride(0), ignore_index, scale, softcap,
         1.0 - smoothing, smoothing / vocab, smoothing,
         SOFTCAP=softcap > 0, SMOOTHING=smoothing > 0, ROUND=round_code(z.dtype, rounding),
-        RNE_BY_BITS=rne_by_bits(z.device), BLOCK=block, num_warps=_num_warps(block),
+        RNE_BY_BITS=rne_by_bits(z.device), BLOCK_N=block_n, BLOCK=block, num_warps=_num_warps(block),
     )
 
 

@@ -20,10 +20,11 @@ grad. Outputs are new tensors with q's / k's shape, dtype and memory layout (_li
 elementwise ops keep a transposed q's layout, and graphs traced from eager may view the result
 assuming it), gradients with dq_out's / dk_out's.
 
-Launch layout: one program per cos position (e.g. per (b, t) for cos [B, 1, T, r]) loads cos/sin
-once and rotates every q row and then every k row sharing it (e.g. all Hq + Hk heads), so cos/sin
-are read once and q, k once each: one pass over memory per direction. Any strides; rows are found
-by int32 index arithmetic on the broadcast dims only, then 64-bit offsets.
+Launch layout: a program takes BLOCK_C cos positions (e.g. (b, t) pairs for cos [B, 1, T, r]),
+loads their cos/sin once and rotates every q row and then every k row sharing each (e.g. all
+Hq + Hk heads), so cos/sin are read once and q, k once each: one pass over memory per direction.
+BLOCK_C is 1 on the GPU, many under Triton's interpreter (_launch_meta). Any strides; rows are
+found by int32 index arithmetic on the broadcast dims only, then 64-bit offsets.
 """
 from __future__ import annotations
 
@@ -52,32 +53,33 @@ def _to_out(x, o_ptr, RNE_BY_HAND: tl.constexpr):
 def _rope_rows(
     x_ptr,  # input [S0, S1, S2, D], strides (sx0, sx1, sx2, sxd)
     o_ptr,  # output [S0, S1, S2, D], strides (so0, so1, so2, 1)
-    ca, cb, sa, sb,  # fp32 [1, BLOCK_R // 2]: cos/sin at the a-channels and at their partners b
-    c0, c1, c2,  # int32 index of this program's position on the dims cos does not broadcast over
+    ca, cb, sa, sb,  # fp32 [BLOCK_C, 1, BLOCK_R // 2]: cos/sin at the a-channels and their partners b
+    c0, c1, c2,  # int64 [BLOCK_C, 1, 1]: each position's index on the dims cos does not broadcast over
+    pos_ok,  # [BLOCK_C, 1, 1]: the position exists (the last program's block may run past the end)
     M, I1, I2,  # rows per position; sizes of the broadcast dims (1 on the others), I0 = M / (I1 I2)
     sx0, sx1, sx2, sxd, so0, so1, so2,
     D: tl.constexpr, R: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
-    ROUND: tl.constexpr, RNE_BY_HAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    ROUND: tl.constexpr, RNE_BY_HAND: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Rotates the M rows of x that share position (c0, c1, c2) into o."""
+    """Rotates the M rows of x that share each of the program's BLOCK_C positions into o."""
     HALF: tl.constexpr = BLOCK_R // 2
-    j = tl.arange(0, HALF)[None, :]  # [1, HALF] pair index
-    jr = tl.arange(0, BLOCK_R)[None, :]  # [1, BLOCK_R] channel index (interleaved load/store)
-    x_pos = x_ptr + c0.to(tl.int64) * sx0 + c1.to(tl.int64) * sx1 + c2.to(tl.int64) * sx2
-    o_pos = o_ptr + c0.to(tl.int64) * so0 + c1.to(tl.int64) * so1 + c2.to(tl.int64) * so2
+    j = tl.arange(0, HALF)[None, None, :]  # [1, 1, HALF] pair index
+    jr = tl.arange(0, BLOCK_R)[None, None, :]  # [1, 1, BLOCK_R] channel index (interleaved load/store)
+    x_pos = x_ptr + c0 * sx0 + c1 * sx1 + c2 * sx2  # [BLOCK_C, 1, 1]
+    o_pos = o_ptr + c0 * so0 + c1 * so1 + c2 * so2
     for m0 in range(0, M, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1] int32
-        row_ok = rows < M
+        rows = m0 + tl.arange(0, BLOCK_M)[None, :, None]  # [1, BLOCK_M, 1] int32
+        row_ok = pos_ok & (rows < M)  # [BLOCK_C, BLOCK_M, 1]
         i0 = (rows // (I1 * I2)).to(tl.int64)
         i1 = ((rows // I2) % I1).to(tl.int64)
         i2 = (rows % I2).to(tl.int64)
-        x_row = x_pos + i0 * sx0 + i1 * sx1 + i2 * sx2
-        o_row = o_pos + i0 * so0 + i1 * so1 + i2 * so2
+        x_row = x_pos + (i0 * sx0 + i1 * sx1 + i2 * sx2)  # [BLOCK_C, BLOCK_M, 1]
+        o_row = o_pos + (i0 * so0 + i1 * so1 + i2 * so2)
         if INTERLEAVED:
             m = row_ok & (jr < R)
             x = tl.load(x_row + jr * sxd, mask=m, other=0.0).to(tl.float32)
-            xa, xb = tl.split(tl.reshape(x, [BLOCK_M, HALF, 2]))
+            xa, xb = tl.split(tl.reshape(x, [BLOCK_C, BLOCK_M, HALF, 2]))
         else:
             m = row_ok & (j < R // 2)
             xa = tl.load(x_row + j * sxd, mask=m, other=0.0).to(tl.float32)
@@ -90,13 +92,13 @@ def _rope_rows(
             oa = round_to(xa * ca, ROUND, RNE_BY_HAND) - round_to(xb * sa, ROUND, RNE_BY_HAND)
             ob = round_to(xb * cb, ROUND, RNE_BY_HAND) + round_to(xa * sb, ROUND, RNE_BY_HAND)
         if INTERLEAVED:
-            o = tl.reshape(tl.join(oa, ob), [BLOCK_M, BLOCK_R])
+            o = tl.reshape(tl.join(oa, ob), [BLOCK_C, BLOCK_M, BLOCK_R])
             tl.store(o_row + jr, _to_out(o, o_ptr, RNE_BY_HAND), mask=m)
         else:
             tl.store(o_row + j, _to_out(oa, o_ptr, RNE_BY_HAND), mask=m)
             tl.store(o_row + j + R // 2, _to_out(ob, o_ptr, RNE_BY_HAND), mask=m)
         if BLOCK_P > 0:
-            jp = tl.arange(0, BLOCK_P)[None, :]  # [1, BLOCK_P] pass-through channel index past R
+            jp = tl.arange(0, BLOCK_P)[None, None, :]  # [1, 1, BLOCK_P] pass-through channel past R
             mp = row_ok & (jp < D - R)
             xp = tl.load(x_row + (R + jp) * sxd, mask=mp, other=0.0)
             tl.store(o_row + R + jp, xp.to(o_ptr.dtype.element_ty), mask=mp)
@@ -109,34 +111,37 @@ def _rope_kernel(
     cos_ptr, sin_ptr,  # [C0, C1, C2, R], C = 1 on the dims q/k broadcast over; strides (cs*), (ss*)
     Mq, Iq1, Iq2, sq0, sq1, sq2, sqd, sqo0, sqo1, sqo2,
     Mk, Ik1, Ik2, sk0, sk1, sk2, skd, sko0, sko1, sko2,
-    C1, C2, cs0, cs1, cs2, csd, ss0, ss1, ss2, ssd,
+    P, C1, C2, cs0, cs1, cs2, csd, ss0, ss1, ss2, ssd,  # P = C0 * C1 * C2 positions
     D: tl.constexpr, R: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
-    ROUND: tl.constexpr, RNE_BY_HAND: tl.constexpr, BLOCK_MQ: tl.constexpr, BLOCK_MK: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    ROUND: tl.constexpr, RNE_BY_HAND: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_MQ: tl.constexpr,
+    BLOCK_MK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Program = one cos position: its Mq rows of q, then its Mk rows of k (0 rows = absent)."""
-    p = tl.program_id(0)  # flat index over (C0, C1, C2)
-    c2 = p % C2
-    c1 = (p // C2) % C1
-    c0 = p // (C2 * C1)
-    j = tl.arange(0, BLOCK_R // 2)[None, :]
+    """Program = BLOCK_C cos positions: their Mq rows of q each, then their Mk rows of k (0 = absent)."""
+    p = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None, None]  # [BLOCK_C, 1, 1] flat (c0, c1, c2)
+    pos_ok = p < P
+    c2 = (p % C2).to(tl.int64)
+    c1 = ((p // C2) % C1).to(tl.int64)
+    c0 = (p // (C2 * C1)).to(tl.int64)
+    j = tl.arange(0, BLOCK_R // 2)[None, None, :]
     if INTERLEAVED:
         ja = 2 * j
         jb = 2 * j + 1
     else:
         ja = j
         jb = j + R // 2
-    mr = j < R // 2
-    c_pos = cos_ptr + c0.to(tl.int64) * cs0 + c1.to(tl.int64) * cs1 + c2.to(tl.int64) * cs2
-    s_pos = sin_ptr + c0.to(tl.int64) * ss0 + c1.to(tl.int64) * ss1 + c2.to(tl.int64) * ss2
+    mr = pos_ok & (j < R // 2)
+    c_pos = cos_ptr + c0 * cs0 + c1 * cs1 + c2 * cs2
+    s_pos = sin_ptr + c0 * ss0 + c1 * ss1 + c2 * ss2
     ca = tl.load(c_pos + ja * csd, mask=mr, other=0.0).to(tl.float32)
     cb = tl.load(c_pos + jb * csd, mask=mr, other=0.0).to(tl.float32)
     sa = tl.load(s_pos + ja * ssd, mask=mr, other=0.0).to(tl.float32)
     sb = tl.load(s_pos + jb * ssd, mask=mr, other=0.0).to(tl.float32)
-    _rope_rows(q_ptr, qo_ptr, ca, cb, sa, sb, c0, c1, c2, Mq, Iq1, Iq2, sq0, sq1, sq2, sqd,
-               sqo0, sqo1, sqo2, D, R, INTERLEAVED, BACKWARD, ROUND, RNE_BY_HAND, BLOCK_MQ, BLOCK_R, BLOCK_P)
-    _rope_rows(k_ptr, ko_ptr, ca, cb, sa, sb, c0, c1, c2, Mk, Ik1, Ik2, sk0, sk1, sk2, skd,
-               sko0, sko1, sko2, D, R, INTERLEAVED, BACKWARD, ROUND, RNE_BY_HAND, BLOCK_MK, BLOCK_R, BLOCK_P)
+    _rope_rows(q_ptr, qo_ptr, ca, cb, sa, sb, c0, c1, c2, pos_ok, Mq, Iq1, Iq2, sq0, sq1, sq2, sqd,
+               sqo0, sqo1, sqo2, D, R, INTERLEAVED, BACKWARD, ROUND, RNE_BY_HAND, BLOCK_C, BLOCK_MQ,
+               BLOCK_R, BLOCK_P)
+    _rope_rows(k_ptr, ko_ptr, ca, cb, sa, sb, c0, c1, c2, pos_ok, Mk, Ik1, Ik2, sk0, sk1, sk2, skd,
+               sko0, sko1, sko2, D, R, INTERLEAVED, BACKWARD, ROUND, RNE_BY_HAND, BLOCK_C, BLOCK_MK,
+               BLOCK_R, BLOCK_P)
 
 
 def _next_pow2(n: int) -> int:
@@ -154,12 +159,30 @@ def _num_warps(block_d: int) -> int:
     return max(2, min(8, block_d // 512))
 
 
+# Triton's interpreter (CPU tests) runs programs one after another at ~15 ms each however small
+# their tile: it takes tiles of up to this many elements, many positions per program.
+_INTERPRETER_TILE = 1 << 14
+# Tests set a positions-per-program count here to run the interpreter with the GPU's one.
+_BLOCK_C_OVERRIDE: Optional[int] = None
+
+
 @functools.lru_cache(maxsize=1024)
-def _launch_meta(d: int, rotary_dim: int, mq: int, mk: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_MQ, BLOCK_MK, BLOCK_R, BLOCK_P, num_warps) for D, r and q's / k's rows per position."""
+def _launch_meta(d: int, rotary_dim: int, mq: int, mk: int, positions: int,
+                 interpreted: bool) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_C, BLOCK_MQ, BLOCK_MK, BLOCK_R, BLOCK_P, num_warps) for D, r, q's / k's rows per
+    position and the number of positions. On the GPU one position per program (its cos/sin loaded
+    once, rows in ~1024-element steps over many resident programs: H200 sweep); under the
+    interpreter every row of a position in one step and as many positions as fit _INTERPRETER_TILE."""
     block_d = _next_pow2(d)
-    return (_rows_per_tile(mq, block_d), _rows_per_tile(mk, block_d), _next_pow2(rotary_dim),
-            _next_pow2(d - rotary_dim) if d > rotary_dim else 0, _num_warps(block_d))
+    block_r = _next_pow2(rotary_dim)
+    block_p = _next_pow2(d - rotary_dim) if d > rotary_dim else 0
+    if not interpreted:
+        return (1, _rows_per_tile(mq, block_d), _rows_per_tile(mk, block_d), block_r, block_p,
+                _num_warps(block_d))
+    rows = lambda m: min(_next_pow2(max(m, 1)), max(1, _INTERPRETER_TILE // block_d))  # noqa: E731
+    block_mq, block_mk = rows(mq), rows(mk)
+    block_c = min(_next_pow2(positions), max(1, _INTERPRETER_TILE // (max(block_mq, block_mk) * block_d)))
+    return block_c, block_mq, block_mk, block_r, block_p, 1
 
 
 def _check(x: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int):
@@ -212,13 +235,16 @@ def _launch(q, k, cos, sin, interleaved: bool, rotary_dim: int, backward: bool, 
         return qo, ko
     qa = _row_args(q, qo, cs, x0)
     ka = _row_args(k, ko, cs, x0)
-    block_mq, block_mk, block_r, block_p, num_warps = _launch_meta(x0.shape[-1], rotary_dim, qa[2], ka[2])
-    _rope_kernel[(cs[0] * cs[1] * cs[2],)](  # one program per cos position
+    positions = cs[0] * cs[1] * cs[2]
+    block_c, block_mq, block_mk, block_r, block_p, num_warps = _launch_meta(
+        x0.shape[-1], rotary_dim, qa[2], ka[2], positions, device.type == "cpu")
+    block_c = _BLOCK_C_OVERRIDE or block_c
+    _rope_kernel[(triton.cdiv(positions, block_c),)](
         qa[0], qa[1], ka[0], ka[1], cos, sin, *qa[2:], *ka[2:],
-        cs[1], cs[2], *cos.stride(), *sin.stride(),
+        positions, cs[1], cs[2], *cos.stride(), *sin.stride(),
         D=x0.shape[-1], R=rotary_dim, INTERLEAVED=interleaved, BACKWARD=backward,
         ROUND=round_code(x0.dtype, round_products), RNE_BY_HAND=rne_by_bits(device),
-        BLOCK_MQ=block_mq, BLOCK_MK=block_mk,
+        BLOCK_C=block_c, BLOCK_MQ=block_mq, BLOCK_MK=block_mk,
         BLOCK_R=block_r, BLOCK_P=block_p, num_warps=num_warps,
     )
     return qo, ko

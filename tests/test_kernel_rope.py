@@ -7,6 +7,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import fxfuse.kernels.rope as rope_kernels  # noqa: E402
 from fxfuse.kernels.rope import rope_reference  # noqa: E402
 
 rope = torch.ops.fxfuse.rope
@@ -87,7 +88,11 @@ def _grads_like(q, k, seed=2):
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}-T{c[5]}-D{c[6]}-r{c[7]}-i{int(c[8])}"
                                               for c in CASES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_matches_reference(case, dtype):
+@pytest.mark.parametrize("block_c", [None, 1, 4], ids=["interp", "gpu", "c4"])
+def test_matches_reference(monkeypatch, case, dtype, block_c):
+    """block_c: positions per program; None = the interpreter's choice (one program for most cases),
+    1 = the GPU's, 4 = several programs with a ragged last block (199 positions)."""
+    monkeypatch.setattr(rope_kernels, "_BLOCK_C_OVERRIDE", block_c)
     layout, kind, b, hq, hk, t, d, r, inter = case
     q, k = _qk(layout, b, hq, hk, t, d, dtype)
     cos, sin = _cos_sin(kind, layout, b, hq, t, r, dtype)
