@@ -16,6 +16,11 @@ import fxfuse.kernels.rms_norm  # noqa: E402, F401
 import fxfuse.kernels.rope  # noqa: E402, F401
 import fxfuse.kernels.swiglu  # noqa: E402, F401
 
+# pytest-xdist (README's test command runs two processes): split the cores between the processes, so
+# torch's intra-op threads do not oversubscribe them (both runs of a parity check share the setting)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
