@@ -4,6 +4,12 @@ import os
 import torch
 
 
+# Triton's interpreter (CPU tensors under TRITON_INTERPRET=1, the CI kernel tests) runs a launch's
+# programs one after another at ~15-20 ms each however small: kernels that take one row or position
+# per program on the GPU take there as many as fit a tile of this many elements.
+INTERPRETER_TILE = 1 << 14
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Triton on CUDA tensors; on CPU tensors only under TRITON_INTERPRET=1 (the CI kernel tests)."""
     if t.device.type == "cuda":

@@ -11,6 +11,8 @@ import functools
 import torch
 import triton
 
+from ._dispatch import INTERPRETER_TILE
+
 _DX_ACC_BYTES = 64 << 20
 _LOGITS_BYTES = 16 << 20
 _GRAD_BYTES = 24 << 20
@@ -31,13 +33,12 @@ def _num_warps(block: int) -> int:
 
 def _rows_per_program(rows: int, block: int, device: torch.device) -> int:
     # Rows per program of the row kernels. GPU: 1 (a row's sweep over V streams whole tiles; rows
-    # spread over the SMs). Triton's interpreter (CPU tests) runs programs one after another at
-    # ~20 ms each however small: as many rows as fit a 16K-element [rows, block] tile.
+    # spread over the SMs). Triton's interpreter: as many as fit an INTERPRETER_TILE [rows, block] tile.
     if _ROWS_PER_PROGRAM_OVERRIDE is not None:
         return _ROWS_PER_PROGRAM_OVERRIDE
     if device.type != "cpu":
         return 1
-    return min(triton.next_power_of_2(max(rows, 1)), max(1, (1 << 14) // block))
+    return min(triton.next_power_of_2(max(rows, 1)), max(1, INTERPRETER_TILE // block))
 
 
 def _rows_per_pass(n: int, h: int) -> int:

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import no_double_backward, register_autograd, use_triton
+from ._dispatch import INTERPRETER_TILE, no_double_backward, register_autograd, use_triton
 from ._round import rne_by_bits, round_code, round_ref, round_to
 
 
@@ -159,9 +159,6 @@ def _num_warps(block_d: int) -> int:
     return max(2, min(8, block_d // 512))
 
 
-# Triton's interpreter (CPU tests) runs programs one after another at ~15 ms each however small
-# their tile: it takes tiles of up to this many elements, many positions per program.
-_INTERPRETER_TILE = 1 << 14
 # Tests set a positions-per-program count here to run the interpreter with the GPU's one.
 _BLOCK_C_OVERRIDE: Optional[int] = None
 
@@ -172,16 +169,16 @@ def _launch_meta(d: int, rotary_dim: int, mq: int, mk: int, positions: int,
     """(BLOCK_C, BLOCK_MQ, BLOCK_MK, BLOCK_R, BLOCK_P, num_warps) for D, r, q's / k's rows per
     position and the number of positions. On the GPU one position per program (its cos/sin loaded
     once, rows in ~1024-element steps over many resident programs: H200 sweep); under the
-    interpreter every row of a position in one step and as many positions as fit _INTERPRETER_TILE."""
+    interpreter every row of a position in one step and as many positions as fit INTERPRETER_TILE."""
     block_d = _next_pow2(d)
     block_r = _next_pow2(rotary_dim)
     block_p = _next_pow2(d - rotary_dim) if d > rotary_dim else 0
     if not interpreted:
         return (1, _rows_per_tile(mq, block_d), _rows_per_tile(mk, block_d), block_r, block_p,
                 _num_warps(block_d))
-    rows = lambda m: min(_next_pow2(max(m, 1)), max(1, _INTERPRETER_TILE // block_d))  # noqa: E731
+    rows = lambda m: min(_next_pow2(max(m, 1)), max(1, INTERPRETER_TILE // block_d))  # noqa: E731
     block_mq, block_mk = rows(mq), rows(mk)
-    block_c = min(_next_pow2(positions), max(1, _INTERPRETER_TILE // (max(block_mq, block_mk) * block_d)))
+    block_c = min(_next_pow2(positions), max(1, INTERPRETER_TILE // (max(block_mq, block_mk) * block_d)))
     return block_c, block_mq, block_mk, block_r, block_p, 1
 
 
