@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from fxfuse.audit import _finish, add_arguments, options_text, run_audit
+from fxfuse.audit import _finish, add_arguments, graphs_text, inputs_text, options_text, run_audit, seq_text
 from fxfuse.audit_compare import render_lines
 
 CASES = {"llama-1b": (4, 2048), "qwen2-1.5b": (4, 2048), "gemma2-2b": (2, 2048)}  # batch, seq (DESIGN.md)
@@ -28,9 +28,9 @@ def markdown(audit: dict) -> str:
     a, env = audit["args"], audit["env"]
     cuda = a["device"].startswith("cuda")
     mem = "peak alloc GiB | peak reserved GiB" if cuda else "peak RSS GiB | -"
-    lines = [f"### {a['model']}{' (tiny)' if a['tiny'] else ''}, batch {a['batch']} x {a['seq']}, {a['dtype']}"
+    lines = [f"### {a['model']}{' (tiny)' if a['tiny'] else ''}, batch {a['batch']} x {seq_text(a)}, {a['dtype']}"
              + (f" weights + {a['autocast']} autocast" if a.get("autocast") else "")
-             + (", activation checkpointing" if a.get("checkpointing") else "") + ", "
+             + (", activation checkpointing" if a.get("checkpointing") else "") + inputs_text(a) + ", "
              f"{a['steps']} steps (median after {a['warmup']}), {env['device']}, torch {env['torch']}, "
              f"{'tokens ' + a['tokens'] if a['tokens'] else a.get('synthetic', 'uniform') + ' synthetic tokens'}, "
              f"AdamW lr {a['lr']}" + (f" warm-up {a['lr_warmup']} steps" if a.get("lr_warmup") else "")
@@ -51,6 +51,8 @@ def markdown(audit: dict) -> str:
             f"{f(audit['fit'].get(mode, {}).get('batch', {}).get('largest'), 'd')} | "
             f"{f(prof['target_share'] * 100 if prof else None, '.1f')} | "
             f"{f(audit['divergence'].get(mode, {}).get('max_abs'), '.2e')} | {r.get('status', '')} |")
+    if graphs_text(audit["modes"]):
+        lines += ["", graphs_text(audit["modes"])]
     compared = render_lines(audit)  # between modes, eager's own spread (eager-rerun), --reference
     if compared:
         lines += ["", *compared]

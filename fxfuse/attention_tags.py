@@ -15,6 +15,7 @@ the yes on it directly.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 
@@ -25,6 +26,8 @@ from .attention import causal_attention, checkable_masks
 
 TAG = "_fxfuse_causal"
 log = logging.getLogger("fxfuse")
+# calls of checked graphs since the process started, by the variant that ran: "causal" or "traced"
+RUNS: collections.Counter = collections.Counter()
 
 
 @functools.lru_cache(maxsize=8)  # a few lengths in flight; each is a [Tq, Tk] bool tensor on the device
@@ -113,6 +116,7 @@ def dispatch(causal, traced, masks, graph_name: str):
             log.warning("fxfuse: %s: computing its masks for the causal check failed (%s: %s)",
                         graph_name, type(e).__name__, e)
             causal_now = False
+        RUNS["causal" if causal_now else "traced"] += 1
         if causal_now:
             return causal(*args)
         if not warned:

@@ -56,7 +56,7 @@ from .audit_compare import divergence, load_reference, pairwise_divergence, refe
 from .audit_memory import render as render_peak
 from .audit_plot import plot_png
 from .audit_fit import search_largest
-from .audit_worker import MODES, PRESETS, SYNTHETIC, fxfuse_options
+from .audit_worker import MASKS, MODES, PRESETS, SYNTHETIC, fxfuse_options
 
 MIB = 2**20
 
@@ -96,10 +96,35 @@ def _base_spec(args) -> dict:
     return dict(model=args.model, config=args.config, tiny=args.tiny, dtype=args.dtype, device=args.device,
                 batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
                 lr_warmup=args.lr_warmup, tokens=args.tokens, synthetic=args.synthetic, autocast=args.autocast,
-                checkpointing=args.checkpointing,
+                checkpointing=args.checkpointing, attention_mask=args.attention_mask,
+                seq_lengths=args.seq_lengths, dynamic=args.dynamic,
                 profile_steps=args.profile_steps, fxfuse_inner=args.fxfuse_inner,
                 fxfuse_logits=args.fxfuse_logits, fxfuse_options=args.fxfuse_options,
                 memory_peak=args.memory_peak, mem_limit_gib=args.mem_limit_gib, fit_shapes=args.fit_shapes)
+
+
+def seq_text(a: dict) -> str:
+    """--seq, or the lengths the steps cycle through (--seq-lengths)."""
+    return "/".join(map(str, a["seq_lengths"])) + " by step" if a.get("seq_lengths") else str(a["seq"])
+
+
+def inputs_text(a: dict) -> str:
+    """The run's non-default inputs for table headers: attention mask, dynamic shapes."""
+    parts = [f"attention_mask {a['attention_mask']}" if a.get("attention_mask", "none") != "none" else "",
+             "dynamic=True" if a.get("dynamic") else ""]
+    return "".join(f", {p}" for p in parts if p)
+
+
+def graphs_text(results: dict) -> str:
+    """Dynamo graphs each compiled mode built over its steps (recompiles show up here), and which
+    variant fxfuse's graphs with a run-time checked causal mask ran (fxfuse/attention_tags.py)."""
+    seen = {m: r["graphs_compiled"] for m, r in results.items() if r.get("graphs_compiled")}
+    text = "graphs compiled: " + ", ".join(f"{m} {n}" for m, n in seen.items()) if seen else ""
+    checks = (results.get("fxfuse") or {}).get("mask_checks")
+    if checks:
+        text += (f"; fxfuse's mask-checked graph calls: {checks.get('causal', 0)} ran is_causal, "
+                 f"{checks.get('traced', 0)} ran with the mask")
+    return text
 
 
 def options_text(a: dict) -> str:
@@ -163,8 +188,8 @@ def render(audit: dict) -> str:
     ckpt = ", activation checkpointing" if a.get("checkpointing") else ""
     warm = f" (linear warm-up over {a['lr_warmup']} steps)" if a.get("lr_warmup") else ""
     data = "tokens " + a["tokens"] if a["tokens"] else f"synthetic tokens ({a.get('synthetic', 'uniform')})"
-    lines = [f"fxfuse audit: {a['model']}{' (tiny)' if a['tiny'] else ''}, batch {a['batch']} x seq {a['seq']}, "
-             f"{a['steps']} steps (median after {a['warmup']} warm-up), {a['dtype']}{amp}{ckpt} "
+    lines = [f"fxfuse audit: {a['model']}{' (tiny)' if a['tiny'] else ''}, batch {a['batch']} x seq {seq_text(a)}, "
+             f"{a['steps']} steps (median after {a['warmup']} warm-up), {a['dtype']}{amp}{ckpt}{inputs_text(a)} "
              f"on {audit['env']['device']}, "
              f"AdamW lr {a['lr']}{warm}, seed {a['seed']}, {data}, "
              f"fxfuse options: {options_text(a)}",
@@ -202,6 +227,7 @@ def render(audit: dict) -> str:
             lines.append(f"  its fxfuse graphs: fused {rep['counts']}" + (
                 f", causal attention at {sum(not x['reason'] for x in att)}/{len(att)} SDPA calls"
                 + (f" ({'; '.join(why)})" if why else "") if att else ""))
+    lines += [t for t in [graphs_text(results)] if t]
     lines += render_lines(audit)
     n = a["show_losses"]
     lines.append(f"\nloss curve, first {n} steps:")
@@ -273,6 +299,13 @@ def run_audit(args) -> dict:
     return audit
 
 
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(v) for v in s.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
 def _kv(s: str):
     """KEY=VALUE -> (key, value): VALUE as a Python literal (4, 1e-5, False, 'x', [..], {..}), else as
     JSON (true, null), else the string itself."""
@@ -308,6 +341,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "forward under torch.autocast(bfloat16), as HF Trainer's bf16=True")
     p.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing of every decoder layer (non-reentrant), in every mode")
+    p.add_argument("--attention-mask", default="none", choices=MASKS,
+                   help="what the batches pass as attention_mask: none (default: the model builds its causal "
+                        "mask), ones (all ones, as a collator when nothing is padded), padded (right-padded "
+                        "rows of seeded lengths in [seq/2, seq], labels -100 on the padding)")
+    p.add_argument("--seq-lengths", type=_ints, default=None, metavar="L1,L2,...",
+                   help="step i trains at sequence length L[i %% k] instead of --seq (batches padded to "
+                        "their longest sample); the compiled modes recompile once for a dynamic length")
+    p.add_argument("--dynamic", action="store_true",
+                   help="torch.compile(dynamic=True) in the compiled modes (default: Dynamo's automatic "
+                        "dynamic shapes)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--lr-warmup", type=int, default=0, metavar="STEPS",
                    help="linear learning-rate warm-up over the first STEPS steps (default 0: constant lr)")
@@ -331,8 +374,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: batch on cuda, none on cpu)")
     p.add_argument("--fit-shapes", default="dynamic", choices=["dynamic", "static"],
                    help="batch search: dynamic batch dimension, compiled once (default), or static shapes, "
-                        "one compile per trial (the run's exact graphs: fxfuse's causal-attention rewrite "
-                        "needs static shapes)")
+                        "one compile per trial (the run's exact graphs: under a dynamic batch fxfuse checks "
+                        "the causal mask at run time instead of proving it at compile time)")
     p.add_argument("--max-batch-search", type=int, default=256, help="batch search cap (0: skip)")
     p.add_argument("--max-seq-search", type=int, default=32768, help="sequence search cap (0: skip)")
     p.add_argument("--mem-limit-gib", type=float, default=None, help="CUDA memory cap for every mode")

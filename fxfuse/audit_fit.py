@@ -89,22 +89,24 @@ def fit_batch(spec: dict, progress=None) -> dict:
     out = {"mode": spec["mode"], "status": "running", "largest": None, "probes": probes, "dynamic_batch": dynamic}
 
     def fits(n: int) -> bool:
-        data, reason = worker.Batches(vocab, n, spec["seq"], spec["seed"], device), None
+        data = worker.Batches(vocab, n, spec["seq"], spec["seed"], device, mask=spec.get("attention_mask", "none"))
+        reason = None
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         try:
             for i in range(2):
-                ids = data(i)
+                batch = data(i)
                 if dynamic and n > 1:
-                    torch._dynamo.maybe_mark_dynamic(ids, 0)
-                worker.train_step(call, opt, ids).item()
+                    for t in batch.values():
+                        torch._dynamo.maybe_mark_dynamic(t, 0)
+                worker.train_step(call, opt, batch).item()
             worker._sync(device)
         except Exception as e:  # noqa: BLE001 - any OOM, however the backend wraps it
             if not worker._is_oom(e):
                 raise
             reason = _oom_reason(e)
-        ids = data = None  # a failed probe's activations and gradients go before the next probe
+        batch = data = None  # a failed probe's activations and gradients go before the next probe
         probe = {"batch": n, "fits": reason is None, "seconds": time.perf_counter() - t0,
                  "peak_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
                  "graphs": counters["stats"]["unique_graphs"]}

@@ -84,19 +84,31 @@ def build_model(spec: str, overrides: dict, tiny: bool, dtype: torch.dtype, devi
 
 
 class Batches:
-    """Batch ``i`` as input_ids [batch, seq] (also the labels: HF shifts them), identical in every mode.
+    """Batch ``i`` as the model's keyword arguments, identical in every mode: input_ids [batch, seq],
+    labels (the same ids: HF shifts them) and, with ``mask``, the attention_mask a collator passes.
 
     Synthetic, from a generator seeded by (seed, i): "uniform" tokens (nothing to learn: the loss can
     only approach ln(vocab), and once there AdamW's steps follow gradient noise), or "zipf": token
     ranks drawn with probability ~ 1 / rank, as word frequencies in text, over a seeded permutation of
     the vocabulary, so the loss has somewhere to go for hundreds of steps. Token file (.npy, .pt, or a
     raw uint16 .bin as nanoGPT writes): batch i is the next batch*seq tokens, wrapping around.
+
+    ``mask``: "none" (no attention_mask: the model builds its causal mask itself), "ones" (an all-ones
+    attention_mask, as a collator passes when nothing is padded: the mask then depends on an input),
+    "padded" (row r keeps a seeded length in [seq/2, seq] and is right-padded: attention_mask 0 and
+    labels -100 after it, as an SFT collator pads). ``seq_lengths``: batch i has sequence length
+    seq_lengths[i % len(seq_lengths)] instead of ``seq`` (batches padded to their longest sample).
     """
 
     def __init__(self, vocab: int, batch: int, seq: int, seed: int, device: str, token_file: str | None = None,
-                 synthetic: str = "uniform"):
+                 synthetic: str = "uniform", mask: str = "none", seq_lengths: list[int] | None = None):
         if synthetic not in SYNTHETIC:
             raise ValueError(f"synthetic={synthetic!r}: expected one of {SYNTHETIC}")
+        if mask not in MASKS:
+            raise ValueError(f"mask={mask!r}: expected one of {MASKS}")
+        if seq_lengths is not None and (not seq_lengths or min(seq_lengths) < 2):
+            raise ValueError(f"seq_lengths={seq_lengths!r}: expected lengths >= 2")
+        self.mask, self.seq_lengths = mask, list(seq_lengths) if seq_lengths else None
         self.vocab, self.batch, self.seq, self.seed, self.device = vocab, batch, seq, seed, device
         self.zipf = _zipf(vocab, seed) if synthetic == "zipf" and not token_file else None
         self.tokens = _load_tokens(token_file) if token_file else None
@@ -107,23 +119,36 @@ class Batches:
             if top >= vocab:
                 raise ValueError(f"token file has token id {top} >= the model's vocab_size {vocab}")
 
-    def __call__(self, i: int) -> torch.Tensor:
-        n = self.batch * self.seq
+    def seq_len(self, i: int) -> int:
+        return self.seq_lengths[i % len(self.seq_lengths)] if self.seq_lengths else self.seq
+
+    def __call__(self, i: int) -> dict[str, torch.Tensor]:
+        seq = self.seq_len(i)
+        n = self.batch * seq
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         if self.tokens is None:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
             if self.zipf is None:
-                ids = torch.randint(0, self.vocab, (self.batch, self.seq), generator=g)
+                ids = torch.randint(0, self.vocab, (self.batch, seq), generator=g)
             else:
                 probs, token_of_rank = self.zipf
                 ranks = torch.multinomial(probs, n, replacement=True, generator=g)
-                ids = token_of_rank[ranks].view(self.batch, self.seq)
+                ids = token_of_rank[ranks].view(self.batch, seq)
         else:
             start = (i * n) % (self.tokens.numel() - n)
-            ids = self.tokens[start:start + n].view(self.batch, self.seq)
-        return ids.to(self.device)
+            ids = self.tokens[start:start + n].view(self.batch, seq)
+        batch = {"input_ids": ids, "labels": ids}
+        if self.mask != "none":
+            keep = torch.ones(self.batch, seq, dtype=torch.long)
+            if self.mask == "padded":  # right padding after each row's length; pad id 0, label -100
+                lengths = torch.randint(seq // 2, seq + 1, (self.batch, 1), generator=g)
+                keep = (torch.arange(seq) < lengths).long()
+                batch = {"input_ids": ids * keep, "labels": ids.masked_fill(keep == 0, -100)}
+            batch["attention_mask"] = keep
+        return {k: v.to(self.device) for k, v in batch.items()}
 
 
 SYNTHETIC = ("uniform", "zipf")
+MASKS = ("none", "ones", "padded")
 
 
 def _zipf(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,9 +188,10 @@ def fxfuse_options(spec: dict) -> dict:
             **(spec.get("fxfuse_options") or {})}
 
 
-def prepare(mode: str, model, options: dict):
+def prepare(mode: str, model, options: dict, dynamic: bool | None = None):
     """The callable that runs ``model`` in ``mode``; liger patches the model in place (eager);
-    fxfuse compiles with ``options`` (fxfuse_options)."""
+    fxfuse compiles with ``options`` (fxfuse_options). ``dynamic`` is torch.compile's (None: Dynamo's
+    default, static shapes until a second shape is seen, then dynamic ones)."""
     if mode in ("eager", "eager-rerun"):
         return model
     if mode == "eager-fp32-head":
@@ -175,9 +201,9 @@ def prepare(mode: str, model, options: dict):
         head.register_forward_hook(_upcast_output)
         return model
     if mode == "inductor":
-        return torch.compile(model)
+        return torch.compile(model, dynamic=dynamic)
     if mode == "fxfuse":
-        return torch.compile(model, backend="fxfuse", options=options)
+        return torch.compile(model, backend="fxfuse", options=options, dynamic=dynamic)
     if mode == "liger":
         try:
             from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -239,9 +265,9 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def train_step(call, opt, ids) -> torch.Tensor:
+def train_step(call, opt, batch: dict) -> torch.Tensor:
     opt.zero_grad(set_to_none=True)
-    loss = call(input_ids=ids, labels=ids).loss
+    loss = call(**batch).loss
     loss.backward()
     opt.step()
     return loss.detach()
@@ -257,10 +283,11 @@ def _setup(spec: dict):
     model.train()
     if spec.get("checkpointing"):
         enable_checkpointing(model)
-    call = with_autocast(prepare(spec["mode"], model, fxfuse_options(spec)), device, spec.get("autocast"))
+    call = with_autocast(prepare(spec["mode"], model, fxfuse_options(spec), spec.get("dynamic") or None),
+                         device, spec.get("autocast"))
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
     data = Batches(model.config.vocab_size, spec["batch"], spec["seq"], spec["seed"], device, spec.get("tokens"),
-                   spec.get("synthetic", "uniform"))
+                   spec.get("synthetic", "uniform"), spec.get("attention_mask", "none"), spec.get("seq_lengths"))
     return model, call, opt, data
 
 
@@ -269,19 +296,25 @@ def run(spec: dict) -> dict:
     import fxfuse
 
     device, cuda = spec["device"], spec["device"].startswith("cuda")
+    from torch._dynamo.utils import counters
+
+    from .attention_tags import RUNS
+    from .backend import running_reports
+
     n_reports = len(fxfuse.compiled_reports())
+    graphs_before, runs_before = counters["stats"]["unique_graphs"], RUNS.copy()
     model, call, opt, data = _setup(spec)
     sched = lr_schedule(opt, spec.get("lr_warmup", 0))
     losses, times, mem = [], [], []
     peak_alloc = peak_reserved = 0.0
     bar = Progress(spec["steps"], f"{spec['mode']:>8}")
     for i in range(spec["steps"]):
-        ids = data(i)
+        batch = data(i)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         _sync(device)
         t0 = time.perf_counter()
-        loss = train_step(call, opt, ids).item()  # .item() syncs: every mode pays the same logging sync
+        loss = train_step(call, opt, batch).item()  # .item() syncs: every mode pays the same logging sync
         _sync(device)
         times.append(time.perf_counter() - t0)
         losses.append(loss)
@@ -298,6 +331,10 @@ def run(spec: dict) -> dict:
         peak_alloc = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     timed = times[spec["warmup"]:] or times[-1:]
     step_s = statistics.median(timed)
+    # tokens per step (padding included: what the GPU computed); median of the per-step rate, which is
+    # batch * seq / median step time when every batch has the same length
+    first = len(times) - len(timed)
+    rate = statistics.median(spec["batch"] * data.seq_len(first + k) / t for k, t in enumerate(timed))
 
     shares = profile_shares(call, opt, data, spec["steps"], spec.get("profile_steps", 2), cuda, train_step)
     peak = None
@@ -305,10 +342,12 @@ def run(spec: dict) -> dict:
         from .audit_memory import record_peak
 
         peak = record_peak(lambda: train_step(call, opt, data(spec["steps"])).item(), device)
-    report = fxfuse.Report.merge(fxfuse.compiled_reports()[n_reports:]) if spec["mode"] == "fxfuse" else None
+    report = fxfuse.Report.merge(running_reports(n_reports)) if spec["mode"] == "fxfuse" else None
     return {
         "mode": spec["mode"], "status": "ok", "losses": losses, "step_times_s": times, "mem_curve_mib": mem,
-        "step_time_ms": step_s * 1e3, "tokens_per_s": spec["batch"] * spec["seq"] / step_s,
+        "step_time_ms": step_s * 1e3, "tokens_per_s": rate,
+        "graphs_compiled": counters["stats"]["unique_graphs"] - graphs_before,
+        "mask_checks": dict(RUNS - runs_before) if spec["mode"] == "fxfuse" else None,
         "timed_steps": len(timed),
         "peak_allocated_mib": peak_alloc, "peak_reserved_mib": peak_reserved if cuda else None,
         "memory_source": "torch.cuda.max_memory_allocated/reserved" if cuda else "peak RSS (getrusage ru_maxrss)",

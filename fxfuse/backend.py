@@ -70,10 +70,16 @@ def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.Gra
 def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
     opts = Options.parse(options)
     aten_gm, report = transform(gm, example_inputs, opts)
-    _REPORTS.append((str(gm.meta.get("dynamo_compile_id", "")), report))
+    entry = (str(gm.meta.get("dynamo_compile_id", "")), report)
+    _REPORTS.append(entry)
     log.info("%s", report)
     if aten_gm is gm:  # transform left the graph unfused
-        return inner_compile(gm, example_inputs, opts, mode)
+        try:
+            return inner_compile(gm, example_inputs, opts, mode)
+        except Exception as e:
+            if _dynamo_control_flow(e):  # Dynamo compiles this graph again: its report would count twice
+                _REPORTS.remove(entry)
+            raise
     variant, causal_outs = aten_gm.__dict__.pop("_fxfuse_causal", (None, []))
     try:
         compiled = inner_compile(aten_gm, example_inputs, opts, mode)
@@ -82,6 +88,8 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
         compiled = tag_outputs(compiled, causal_outs)
     except Exception as e:  # fail safe: never fail the user's compile because of the rewrite
         if _dynamo_control_flow(e):
+            _REPORTS.remove(entry)
+            log.info("fxfuse: Dynamo restarts this graph's compile (%s); its report is dropped", type(e).__name__)
             raise
         log.warning("fxfuse: the rewritten graph failed to compile (%s: %s); compiling it unfused", type(e).__name__, e)
         report.matched, report.skipped_outputs = [], []
@@ -129,6 +137,18 @@ def inner_compile(gm: fx.GraphModule, example_inputs, opts: Options, mode: str |
 def compiled_reports() -> list[Report]:
     """Reports of every graph the backend compiled in this process, oldest first."""
     return [r for _, r in _REPORTS]
+
+
+def running_reports(since: int = 0) -> list[Report]:
+    """Of the reports compiled_reports()[since:], the latest per Dynamo frame: a recompile of a frame
+    (another shape, automatic dynamic shapes) replaces its earlier graph for the steps that follow,
+    so per-step sums (sites, bytes no longer written) count each frame once."""
+    latest: dict[str, Report] = {}
+    for cid, r in _REPORTS[since:]:
+        frame = cid.strip("[]").rsplit("/", 1)[0] if "/" in cid else f"#{id(r)}"
+        latest.pop(frame, None)  # re-insert: keep the order of the latest compiles
+        latest[frame] = r
+    return list(latest.values())
 
 
 def last_report() -> Report:

@@ -29,13 +29,19 @@ def _hint(s) -> int:
     return int(s)
 
 
+def example_shape(v: torch.Tensor) -> list[int]:
+    """v's shape at the example inputs (symbolic sizes of a dynamic graph at their hints)."""
+    return [_hint(s) for s in v.shape]
+
+
 def bytes_of(v: torch.Tensor) -> int:
-    return math.prod(_hint(s) for s in v.shape) * v.element_size()
+    return math.prod(example_shape(v)) * v.element_size()
 
 
 def tensor_desc(n: fx.Node, v: torch.Tensor) -> str:
-    """'name:dtype[shape]', the form of Site.saved_tensors (fxfuse/audit_profile.py parses it)."""
-    return f"{n.name}:{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+    """'name:dtype[shape]' at the example inputs, the form of Site.saved_tensors (fxfuse/audit_profile.py
+    parses it)."""
+    return f"{n.name}:{str(v.dtype).removeprefix('torch.')}{example_shape(v)}"
 
 
 def saved_bytes(m: Match) -> tuple[int, list[str]]:

@@ -15,6 +15,8 @@ through returned logits needs ``patterns`` without ``linear_cross_entropy``.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -144,17 +146,15 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
 def _hidden(m) -> list:
     """cross_entropy writes an fp32 log-softmax of the logits, kept for backward, and backward writes
     the logits' gradient: both [N, V], both gone with the fused op."""
-    from fxfuse.rewrite import bytes_of
+    from fxfuse.rewrite import bytes_of, example_shape
 
-    logits = val(_logits_node(m))
-    rows = logits.numel() // logits.shape[-1] if isinstance(logits.numel(), int) else None
-    if rows is None:
-        return []
-    f32 = torch.empty((rows, logits.shape[-1]), dtype=torch.float32, device="meta")
-    grad = f32.to(logits.dtype)
-    return [(f"log_softmax (in cross_entropy):float32[{rows}, {logits.shape[-1]}]", bytes_of(f32)),
-            (f"grad of logits (backward):{str(logits.dtype).removeprefix('torch.')}[{rows}, {logits.shape[-1]}]",
-             bytes_of(grad))]
+    shape = example_shape(val(_logits_node(m)))  # at the example inputs under dynamic shapes
+    dtype = val(_logits_node(m)).dtype
+    rows, vocab = math.prod(shape) // shape[-1], shape[-1]
+    f32 = torch.empty((rows, vocab), dtype=torch.float32, device="meta")
+    grad = f32.to(dtype)
+    return [(f"log_softmax (in cross_entropy):float32[{rows}, {vocab}]", bytes_of(f32)),
+            (f"grad of logits (backward):{str(dtype).removeprefix('torch.')}[{rows}, {vocab}]", bytes_of(grad))]
 
 
 def _miss_reason(ce: fx.Node) -> str | None:
