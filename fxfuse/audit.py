@@ -34,6 +34,10 @@ different steps) or ``--synthetic zipf`` (token frequencies ~ 1/rank, as in text
 falling); ``--tokens FILE`` for real data. ``--lr-warmup N``: linear warm-up over the first N steps.
 ``--autocast bfloat16``: fp32 master weights, forward under bf16 autocast (HF Trainer's bf16=True).
 ``--checkpointing``: activation checkpointing of every decoder layer, in every mode.
+Inputs as a collator passes them: ``--attention-mask ones|padded`` (all ones, or right-padded rows
+with labels -100 on the padding), ``--seq-lengths`` (steps cycle through these lengths), ``--dynamic``
+(torch.compile(dynamic=True)); the table counts each compiled mode's graphs and the paths fxfuse's
+run-time mask checks took.
 
 ``--fxfuse-option KEY=VALUE`` (repeatable) passes more backend options to the fxfuse mode, e.g.
 ``--fxfuse-option loss_head=fast``; the table's header and audit.json's args show them.
