@@ -17,7 +17,8 @@ import argparse
 import os
 import sys
 
-from fxfuse.audit import _finish, add_arguments, graphs_text, inputs_text, options_text, run_audit, seq_text
+from fxfuse.audit import _finish, add_arguments, run_audit
+from fxfuse.audit_render import graphs_text, inputs_text, options_text, seq_text
 from fxfuse.audit_compare import render_lines
 
 CASES = {"llama-1b": (4, 2048), "qwen2-1.5b": (4, 2048), "gemma2-2b": (2, 2048)}  # batch, seq (DESIGN.md)
