@@ -38,7 +38,18 @@ HF_ZOO: dict[str, dict] = {
     # and 512-wide heads in its full-attention layers
     "gemma4_text": {"vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 8, "global_head_dim": 16},
     "olmo3": {}, "glm4": {}, "ernie4_5": {}, "exaone4": {}, "seed_oss": {}, "cohere2": {},
-    "apertus": {}, "bitnet": {}, "minimax": {}, "diffllama": {}, "deepseek_v2": MLA_TINY, "deepseek_v3": MLA_TINY,
+    "apertus": {}, "bitnet": {}, "minimax": {}, "deepseek_v2": MLA_TINY, "deepseek_v3": MLA_TINY,
+    # GPT-J / CodeGen rotate the first rotary_dim (default 64) channels of each head, in pairs
+    "gptj": {"rotary_dim": 4}, "codegen": {"rotary_dim": 4}, "falcon": {},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 8},
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "first_k_dense_replace": 1,
+              "n_group": 1, "topk_group": 1, "n_shared_experts": 1},
+    "lfm2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "num_dense_layers": 1,
+                 "layer_types": ["full_attention", "conv"]},
+    "minicpm3": {**{k: MLA_TINY[k] for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank",
+                                             "q_lora_rank", "num_key_value_heads")}},
+    "youtu": {**{k: MLA_TINY[k] for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank",
+                                          "q_lora_rank", "num_key_value_heads", "head_dim")}},
 }
 
 # (architecture, pattern) -> why the site is not fused; the harness records these as gaps
@@ -61,7 +72,13 @@ def hf_config(spec: str, **overrides):
         for k, v in overrides.items():
             setattr(cfg, k, v)
         return cfg
-    return AutoConfig.for_model(spec, **{**TINY, **HF_ZOO.get(spec, {}), **overrides})
+    from transformers import CONFIG_MAPPING
+
+    # TINY keys the architecture derives itself (Falcon's head_dim: a read-only property) stay its own
+    cls = CONFIG_MAPPING[spec]
+    tiny = {k: v for k, v in TINY.items()
+            if not (isinstance(getattr(cls, k, None), property) and getattr(cls, k).fset is None)}
+    return AutoConfig.for_model(spec, **{**tiny, **HF_ZOO.get(spec, {}), **overrides})
 
 
 def hf_inputs(vocab: int, b: int = 2, t: int = 9, seed: int = 1) -> dict:

@@ -120,10 +120,12 @@ def check(m) -> str | None:
 
 
 def group(matches: list) -> list[list]:
-    """Pairs of rotations sharing the same cos/sin nodes (q and k of one layer), else singles."""
+    """Pairs of rotations whose cos/sin compute the same values (q and k of one layer), else singles."""
     by_tables: dict[tuple, list] = {}
+    memo: dict[fx.Node, object] = {}
     for m in matches:
-        by_tables.setdefault((m.consts["form"], *map(_same_value_key, _tables(m))), []).append(m)
+        key = (m.consts["form"], *(_same_value_key(t, memo) for t in _tables(m)))
+        by_tables.setdefault(key, []).append(m)
     out = []
     for ms in by_tables.values():
         first = val(ms[0].anchor).dtype
@@ -132,17 +134,40 @@ def group(matches: list) -> list[list]:
     return out
 
 
-_PURE_VIEWS = {aten.view.default, aten.reshape.default, aten.unsqueeze.default, aten.expand.default,
-               aten.slice.Tensor, aten.select.int, aten.to.dtype, aten._to_copy.default}
+_UNSAFE_TAGS = {torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise}
+# writes at indices: with repeated indices the value that lands depends on the device's write order
+_INDEXED_WRITES = {"aten::index_put", "aten::_index_put_impl", "aten::_unsafe_index_put", "aten::scatter",
+                   "aten::scatter_add", "aten::scatter_reduce", "aten::index_add", "aten::index_copy",
+                   "aten::index_reduce", "aten::put"}
 
 
-def _same_value_key(n):
-    """Equal for nodes that compute the same value: the same chain of views/casts of one source
-    (gpt-fast reshapes freqs_cis separately for q and for k)."""
-    if isinstance(n, fx.Node) and n.op == "call_function" and n.target in _PURE_VIEWS:
-        args = tuple(_same_value_key(a) if isinstance(a, fx.Node) else repr(a) for a in n.args)
-        return (str(n.target), args, repr(sorted(n.kwargs.items())))
-    return n
+def _deterministic(target) -> bool:
+    """A functional op whose value depends only on its arguments, bit for bit (not random, no
+    atomics-order rounding, no mutation, not uninitialised memory), or getitem of a multi-output op."""
+    if target is operator.getitem:
+        return True
+    return (isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+            and not _UNSAFE_TAGS & set(target.tags) and "empty" not in target._schema.name
+            and target._schema.name not in _INDEXED_WRITES)
+
+
+_KEY_DEPTH = 32  # cos/sin tables are a few ops from their source; deeper cones count as distinct
+
+
+def _same_value_key(n, memo: dict, depth: int = 0):
+    """Equal for nodes that compute the same value: the same deterministic ops on the same sources
+    (gpt-fast reshapes freqs_cis separately for q and for k; GPT-J / CodeGen repeat_interleave sin
+    and cos inside each apply_rotary_pos_emb call)."""
+    if isinstance(n, (list, tuple)):
+        return tuple(_same_value_key(a, memo, depth) for a in n)
+    if not isinstance(n, fx.Node):
+        return repr(n)
+    if n.op != "call_function" or not _deterministic(n.target) or depth > _KEY_DEPTH:
+        return n
+    if n not in memo:
+        memo[n] = (str(n.target), _same_value_key(n.args, memo, depth + 1),
+                   tuple((k, _same_value_key(v, memo, depth + 1)) for k, v in sorted(n.kwargs.items())))
+    return memo[n]
 
 
 def _per_channel(graph: fx.Graph, m) -> tuple[fx.Node, fx.Node]:

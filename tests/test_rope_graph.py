@@ -29,8 +29,10 @@ def is_attention(m: nn.Module) -> bool:
     ("nanochat", {}, "rope_rotate_half_flipped"),  # rotate_half as cat(x2, -x1)
     ("deepseek_v3", MLA_TINY, "rope_halves_pairs_deepseek"),  # MLA: even / odd channels in, halves out
     ("deepseek_v2", MLA_TINY, "rope_complex_meta"),
+    # each apply_rotary_pos_emb call repeat_interleaves its own sin / cos: q and k still pair
+    ("gptj", {"rotary_dim": 4}, "rope_interleaved"), ("codegen", {"rotary_dim": 4}, "rope_interleaved"),
 ], ids=["llama", "mistral", "qwen2", "phi3", "gemma", "llama_mqa", "gpt_neox_partial", "gemma4", "gpt_oss",
-        "nanochat", "deepseek_v3", "deepseek_v2"])
+        "nanochat", "deepseek_v3", "deepseek_v2", "gptj", "codegen"])
 def test_hf_rotations_fused(model_type, overrides, variant):
     model = hf_model(model_type, **overrides)
     inputs = batch()
@@ -191,3 +193,39 @@ def test_layout_of_rotated_q_is_eagers():
     loss_err, grad_err, report, _ = compiled_parity(model, inputs, loss_fn=lambda out: out)
     assert report.counts()["rope"] == 1 and not report.errors, str(report)
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+class _TablesPerRotation(nn.Module):
+    """One attention's q and k, each rotated (rotate_half) with its own copy of the tables, made by
+    ``make`` from the shared cos / sin: equal values when ``make`` is deterministic."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.q, self.k, self.make = nn.Linear(16, 16), nn.Linear(16, 16), make
+
+    def forward(self, x, cos, sin):  # x [B, T, 16] -> 2 heads of 8; cos, sin [T, 8]
+        b, t, _ = x.shape
+        out = []
+        for proj in (self.q, self.k):
+            h = proj(x).view(b, t, 2, 8).transpose(1, 2)
+            c, s = self.make(cos), self.make(sin)
+            rot = torch.cat((-h[..., 4:], h[..., :4]), dim=-1)
+            out.append(h * c + rot * s)
+        return (out[0] * out[1]).sum()
+
+
+def test_rotations_pair_only_when_their_tables_are_equal_values():
+    """q and k whose tables are computed twice by the same deterministic ops pair into one fused
+    call (with parity); tables drawn through dropout twice differ, so each rotation is its own call."""
+    t = 6
+    pos = torch.arange(t, dtype=torch.float32)[:, None] * torch.linspace(0.1, 1.0, 4)
+    cos, sin = torch.cat([pos.cos()] * 2, -1), torch.cat([pos.sin()] * 2, -1)
+    x = torch.randn(2, t, 16)
+    torch.manual_seed(0)
+    twice = _TablesPerRotation(lambda c: (c * 1.5).unsqueeze(0).repeat_interleave(1, dim=0))
+    loss_err, grad_err, report, _ = compiled_parity(twice, {"x": x, "cos": cos, "sin": sin},
+                                                    loss_fn=lambda out: out)
+    assert report.counts()["rope"] == 1, str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+    random = _TablesPerRotation(lambda c: nn.functional.dropout(c, 0.5, training=True))
+    assert fxfuse.explain(random, x, cos, sin).counts()["rope"] == 2
