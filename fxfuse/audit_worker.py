@@ -3,9 +3,9 @@
 SPEC is a dict written by the parent (fxfuse/audit.py): ``job`` ("run": the timed training run;
 "fit": does one (batch, seq) train at all; "fit_batch": the whole largest-batch search in this one
 process, see fxfuse/audit_fit.py), ``mode`` (one of MODES), the model spec and config
-overrides, dtype, device, batch, seq, steps, warmup, lr, seed, token file, profile_steps,
-fxfuse_inner, fxfuse_logits, fxfuse_options (more backend options), mem_limit_gib, max_batch_search
-and fit_shapes (fit_batch). Every mode builds the same model from the same seed, sees
+overrides, dtype, device, batch, seq, steps, warmup, lr, seed, token file, attention_mask, seq_lengths,
+dynamic, profile_steps, fxfuse_inner, fxfuse_logits, fxfuse_options (more backend options),
+mem_limit_gib, max_batch_search and fit_shapes (fit_batch). Every mode builds the same model from the same seed, sees
 the same batches in the same order and trains with the same AdamW; only the way the model is run
 differs. The result dict is written to OUT as JSON; an error is written there too (the parent shows
 it in the mode's row), so only a hard crash (OOM killer, segfault) leaves OUT missing, or, for
