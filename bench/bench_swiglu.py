@@ -1,6 +1,10 @@
 """Benchmark of fxfuse.swiglu (gated-MLP activation), bf16 fwd+bwd, against eager, Inductor and Liger.
 
     python bench/bench_swiglu.py [--shapes 16384x14336 8192x8192] [--act silu] [--chunked]
+    python bench/bench_swiglu.py --act clamped_swiglu --shapes 65536x2880   # gpt-oss experts
+
+--act clamped_swiglu is gpt-oss's activation (fxfuse::clamped_swiglu, alpha 1.702, limit 7) on its
+layout, gate and up interleaved in one [M, 2I] tensor (gate_up[..., ::2], gate_up[..., 1::2]).
 
 Each case times ``out = act(g) * u`` and its backward (``torch.autograd.grad``, so no gradient
 accumulation traffic) and reports GB/s from ``swiglu_bytes`` against the measured copy ceiling.
@@ -27,7 +31,14 @@ def swiglu_bytes(m: int, i: int, element_size: int) -> int:
     return (3 + 5) * m * i * element_size
 
 
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
+
+
 def eager_swiglu(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "clamped_swiglu":  # HF GptOssExperts._apply_gate after its split
+        g = g.clamp(min=None, max=GPT_OSS_LIMIT)
+        u = u.clamp(min=-GPT_OSS_LIMIT, max=GPT_OSS_LIMIT)
+        return (u + 1) * (g * torch.sigmoid(g * GPT_OSS_ALPHA))
     if act == "silu":
         return F.silu(g) * u
     return F.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none") * u
@@ -57,6 +68,10 @@ def _provider_fn(provider: str, act: str):
         return (lambda g, u: compiled(g, u, act)), ""
     if provider == "liger":
         return _liger_fn(act)
+    if provider == "fxfuse" and act == "clamped_swiglu":
+        import fxfuse.kernels.clamped_swiglu  # noqa: F401  (registers torch.ops.fxfuse.clamped_swiglu)
+
+        return (lambda g, u: torch.ops.fxfuse.clamped_swiglu(g, u, GPT_OSS_ALPHA, GPT_OSS_LIMIT)), ""
     if provider == "fxfuse":
         import fxfuse.kernels.swiglu  # noqa: F401  (registers torch.ops.fxfuse.swiglu)
 
@@ -64,10 +79,15 @@ def _provider_fn(provider: str, act: str):
     raise ValueError(provider)
 
 
-def _inputs(m: int, i: int, dtype: torch.dtype, chunked: bool, seed: int = 0):
-    """gate, up: [m, i] leaf tensors (or halves of one [m, 2i] leaf when chunked), and dout: [m, i]."""
+def _inputs(m: int, i: int, dtype: torch.dtype, layout: str, seed: int = 0):
+    """gate, up: [m, i] leaf tensors, or views of one [m, 2i] leaf (layout "chunked": its halves;
+    "interleaved": its even and odd columns), and dout: [m, i]."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    if chunked:
+    if layout == "interleaved":  # x4: some values past gpt-oss's clamp at 7
+        gate_up = (torch.randn(m, 2 * i, device="cuda", generator=gen) * 4).to(dtype).requires_grad_()
+        g, u = gate_up[..., ::2], gate_up[..., 1::2]
+        leaves = (gate_up,)
+    elif layout == "chunked":
         gate_up = torch.randn(m, 2 * i, device="cuda", dtype=dtype, generator=gen).requires_grad_()
         g, u = gate_up.chunk(2, dim=-1)
         leaves = (gate_up,)
@@ -86,10 +106,10 @@ def _fwd_bwd(fn, g, u, dout):
     return out, dg, du
 
 
-def _max_err(fn, m: int, i: int, dtype: torch.dtype, act: str, chunked: bool) -> float:
+def _max_err(fn, m: int, i: int, dtype: torch.dtype, act: str, layout: str) -> float:
     """Max abs error of out, dg, du vs an fp32 reference on the same inputs (fresh copies: Liger's
     backward overwrites its saved inputs in place)."""
-    g, u, dout, _ = _inputs(m, i, dtype, chunked, seed=1)
+    g, u, dout, _ = _inputs(m, i, dtype, layout, seed=1)
     g32 = g.detach().float().requires_grad_()
     u32 = u.detach().float().requires_grad_()
     ref = _fwd_bwd(lambda a, b: eager_swiglu(a, b, act), g32, u32, dout.float())
@@ -104,16 +124,17 @@ def run(args) -> list[Row]:
     rows = []
     for shape in args.shapes:
         m, i = (int(v) for v in shape.lower().split("x"))
-        case = f"swiglu-{args.act} {m}x{i} {args.dtype}{' chunked' if args.chunked else ''}"
+        layout = "interleaved" if args.act == "clamped_swiglu" else "chunked" if args.chunked else "separate"
+        case = f"swiglu-{args.act} {m}x{i} {args.dtype}{'' if layout == 'separate' else ' ' + layout}"
         nbytes = swiglu_bytes(m, i, torch.empty((), dtype=dtype).element_size())
         for provider in args.providers:
             fn, note = _provider_fn(provider, args.act)
             if fn is None:
                 rows.append(Row(case, provider, None, note=note))
                 continue
-            g, u, dout, _ = _inputs(m, i, dtype, args.chunked)
+            g, u, dout, _ = _inputs(m, i, dtype, layout)
             step = lambda: _fwd_bwd(fn, g, u, dout)  # noqa: E731
-            err = _max_err(fn, m, i, dtype, args.act, args.chunked)
+            err = _max_err(fn, m, i, dtype, args.act, layout)
             ms = bench_ms(graphed(step) if args.cuda_graph else step)
             gbps = nbytes / ms / 1e6
             rows.append(Row(case, provider, ms, gbps, 100 * gbps / ceiling, peak_extra_mib(step), err, note))
@@ -125,7 +146,7 @@ def run(args) -> list[Row]:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="MxI per case (gate and up each MxI)")
-    parser.add_argument("--act", default="silu", choices=("silu", "gelu", "gelu_tanh"))
+    parser.add_argument("--act", default="silu", choices=("silu", "gelu", "gelu_tanh", "clamped_swiglu"))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--chunked", action="store_true", help="gate, up = gate_up.chunk(2, -1) of one [M, 2I] tensor")
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)

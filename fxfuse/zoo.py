@@ -59,8 +59,6 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("gpt2", "linear_cross_entropy"): "graph break",
     # Bloom's GeLU is a custom autograd.Function: the graph stays whole unfused (normalize.py)
     ("bloom", "linear_cross_entropy"): "higher-order op autograd_function_apply",
-    # gpt-oss's GLU: clamp(gate) * sigmoid(alpha * clamp(gate)) * (clamp(up) + 1); no kernel for it
-    ("gpt_oss", "swiglu"): "no fused kernel computes this activation",
 }
 
 

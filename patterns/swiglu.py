@@ -1,4 +1,5 @@
-"""Gated-MLP activation: ``act(gate) * up`` with act silu / gelu / gelu-tanh / relu / relu^2.
+"""Gated-MLP activation: ``act(gate) * up`` with act silu / gelu / gelu-tanh / relu / relu^2, and
+gpt-oss's clamped SwiGLU (its own op, ``fxfuse::clamped_swiglu``).
 
 The fused op covers the activation and the product, not the matmuls: gate and up may come from two
 linears, from one fused linear split by ``chunk`` / ``split`` / slicing (Phi-3's gate_up_proj, in
@@ -48,7 +49,21 @@ def reglu_squared_bitnet(gate, up):
     return torch.square(F.relu(gate)) * up
 
 
+def swiglu_clamped_gpt_oss(gate, up, alpha, limit, low):
+    """gpt-oss (HF GptOssExperts._apply_gate, on ``gate_up[..., ::2]`` / ``[..., 1::2]``): clamped
+    gate and up, ``(up + 1) * gate * sigmoid(gate * alpha)``. The model writes ``min=-limit``; a
+    captured literal cannot be negated, so ``low`` is its own parameter and check() asks low == -limit."""
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=low, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    return (up + 1) * glu
+
+
 def check(m) -> str | None:
+    if "limit" in m.scalars:
+        reason = _check_clamped(m.scalars)
+        if reason:
+            return reason
     g, u, out = val(m.inputs["gate"]), val(m.inputs["up"]), val(m.anchor)
     if g is None or u is None or out is None:
         return "no shape/dtype information on the inputs"
@@ -63,7 +78,23 @@ def check(m) -> str | None:
     return None
 
 
+def _check_clamped(scalars: dict) -> str | None:
+    alpha, limit, low = (scalars[k] for k in ("alpha", "limit", "low"))
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (alpha, limit, low)):
+        return f"clamp bounds / alpha computed in the graph (alpha={alpha}, limit={limit}, low={low}), not literals"
+    if not limit >= 0 or low != -limit:
+        return f"up clamped to [{low}, {limit}], gate to max {limit}: the fused op needs up in [-limit, limit], limit >= 0"
+    return None
+
+
 def lower(m, graph: fx.Graph, opts) -> fx.Node:
+    if "limit" in m.scalars:
+        import fxfuse.kernels.clamped_swiglu  # noqa: F401  registers torch.ops.fxfuse.clamped_swiglu
+
+        s = m.scalars
+        return graph.call_function(torch.ops.fxfuse.clamped_swiglu.default,
+                                   (m.inputs["gate"], m.inputs["up"], float(s["alpha"]), float(s["limit"]),
+                                    opts.eager_rounding))
     import fxfuse.kernels.swiglu  # noqa: F401  registers torch.ops.fxfuse.swiglu
 
     return graph.call_function(torch.ops.fxfuse.swiglu.default,
@@ -105,8 +136,8 @@ def _scaled_self_gate(n: fx.Node) -> bool:
 
 def _miss_reason(n: fx.Node) -> str | None:
     if n.target == torch.ops.aten.sigmoid.default and _scaled_self_gate(n):
-        return ("gate * sigmoid(alpha * gate) (gpt-oss: clamped gate and up, (up + 1) * glu): no fused "
-                "kernel computes this activation, it stays as written")
+        return ("gate * sigmoid(alpha * gate) not in gpt-oss's clamped form (gate.clamp(max=limit), "
+                "up.clamp(-limit, limit), (up + 1) * glu), the only spelling the fused kernel computes")
     return None
 
 
@@ -120,6 +151,7 @@ PATTERN = Pattern(
         Variant(geglu, {"act": "gelu"}),
         Variant(reglu, {"act": "relu"}),
         Variant(reglu_squared_bitnet, {"act": "relu2"}),
+        Variant(swiglu_clamped_gpt_oss, {"act": "clamped_swiglu"}),
     ),
     shapes={"gate": (2, 3, 22), "up": (2, 3, 22)},
     dtypes=({"gate": _bf, "up": _bf}, {"gate": _f32, "up": _f32}),

@@ -11,6 +11,7 @@ import torch  # noqa: E402
 # triton.jit reads TRITON_INTERPRET when a kernel module is imported: import every kernel now, so a
 # test that unsets it (to take the PyTorch reference path) is never the first importer, leaving
 # compiled-mode kernels behind for the tests after it ("0 active drivers" on this CPU machine)
+import fxfuse.kernels.clamped_swiglu  # noqa: E402, F401
 import fxfuse.kernels.linear_cross_entropy  # noqa: E402, F401
 import fxfuse.kernels.rms_norm  # noqa: E402, F401
 import fxfuse.kernels.rope  # noqa: E402, F401

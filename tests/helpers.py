@@ -89,3 +89,10 @@ def bf16_errors(make_model, inputs: dict, autocast: bool = False, patterns=None)
         f_loss, f_grads = loss_and_grads(mine, inputs, call=compiled)
     ref, e, f = flat_grads(ref_grads), flat_grads(e_grads), flat_grads(f_grads)
     return (rel_err(e_loss, ref_loss), rel_err(e, ref)), (rel_err(f_loss, ref_loss), rel_err(f, ref))
+
+
+def gated_grads(fn, g, u, dout):
+    """out = fn(g, u) and the gradients of g and u for the output gradient dout."""
+    out = fn(g, u)
+    dg, du = torch.autograd.grad(out, (g, u), dout)
+    return out, dg, du

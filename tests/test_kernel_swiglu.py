@@ -8,6 +8,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from fxfuse.kernels import swiglu as S  # noqa: E402
+from tests.helpers import gated_grads as grads  # noqa: E402
 
 ACTS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 SHAPES = [(1, 7), (199, 33), (3, 5, 130), (4, 1100)]  # 1 row, odd rows, 3-D, I > BLOCK_N (2 col blocks)
@@ -42,12 +43,6 @@ def make(shape, dtype, layout, seed=0):
         g = g.transpose(-1, -2).contiguous().transpose(-1, -2)
     g, u = g.requires_grad_(), u.requires_grad_()
     return g, u, (g, u)
-
-
-def grads(fn, g, u, dout):
-    out = fn(g, u)
-    dg, du = torch.autograd.grad(out, (g, u), dout)
-    return out, dg, du
 
 
 def rel_err(x, ref):

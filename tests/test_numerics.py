@@ -134,3 +134,25 @@ def test_bf16_rope_on_contiguous_heads_rounds_like_eager(numerics):
     assert fxfuse.Report.merge(fxfuse.compiled_reports()[n0:]).counts()["rope"] == 1
     same = [torch.equal(a, e) for a, e in zip(fused, run(_hf_rope))]
     assert all(same) if numerics == "eager" else not all(same), same
+
+
+def test_gpt_oss_clamped_swiglu_bit_exact(monkeypatch):
+    """gpt-oss's clamped SwiGLU rounds like eager's seven bf16 ops under numerics="eager": with it the
+    only fused pattern, the bf16 loss and every gradient equal eager's bit for bit, on the PyTorch
+    reference path and on the Triton kernels (interpreter); numerics="fp32" (one rounding) does not."""
+    from test_swiglu_graph import gpt_oss
+
+    model = gpt_oss(torch.bfloat16, vocab_size=512, hidden_size=64, intermediate_size=96)
+    inputs = _inputs()
+    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model), inputs)
+    for path in ("triton", "reference"):
+        if path == "reference":
+            monkeypatch.delenv("TRITON_INTERPRET")
+        torch._dynamo.reset()
+        loss, grads, report = _run(model, inputs, {"inner": "aot_eager", "patterns": ("swiglu",)})
+        assert report.counts()["swiglu"] == model.config.num_hidden_layers, str(report)
+        assert torch.equal(loss, ref_loss), path
+        assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads), path
+    torch._dynamo.reset()
+    _, grads, _ = _run(model, inputs, {"inner": "aot_eager", "patterns": ("swiglu",), "numerics": "fp32"})
+    assert not all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)

@@ -132,3 +132,91 @@ def test_broadcast_product_is_not_a_gated_mlp():
     report = fxfuse.explain(Broadcast(), torch.randn(4, 8), torch.randn(1, 8))
     assert report.counts()["swiglu"] == 0
     assert "differ in shape" in report.unmatched[0].reason
+
+
+def gpt_oss(dtype=torch.float32, **overrides) -> nn.Module:
+    """A tiny gpt-oss (fxfuse.zoo's config: 4 experts, top 2) with random weights."""
+    from transformers import AutoModelForCausalLM
+
+    from fxfuse.zoo import hf_config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(hf_config("gpt_oss", **overrides)).to(dtype)
+
+
+def test_gpt_oss_clamped_swiglu_fused():
+    """gpt-oss's experts (HF GptOssExperts._apply_gate on gate_up[..., ::2] / [..., 1::2]): one
+    fused clamped SwiGLU per layer, fp32 parity of the loss and every gradient."""
+    model = gpt_oss()
+    loss_err, grad_err, report, _ = compiled_parity(model, batch())
+    sites = [s for s in report.matched if s.pattern == "swiglu"]
+    assert len(sites) == model.config.num_hidden_layers, str(report)
+    assert all(s.variant == "swiglu_clamped_gpt_oss" and s.module.endswith("mlp.experts") for s in sites)
+    assert not [s for s in report.unmatched if s.pattern == "swiglu"], str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+class ClampedGLU(nn.Module):
+    """A hand-written gpt-oss MLP: interleaved gate_up with a bias, values well past the clamps."""
+
+    def __init__(self, d=24, hidden=40, alpha=1.702, limit=1.5, low=None):
+        super().__init__()
+        self.emb = nn.Embedding(50, d)
+        self.gate_up = nn.Linear(d, 2 * hidden)
+        self.down = nn.Linear(hidden, d)
+        nn.init.normal_(self.gate_up.weight, std=0.6)
+        self.alpha, self.limit, self.low = alpha, limit, -limit if low is None else low
+
+    def forward(self, input_ids):
+        gate_up = self.gate_up(self.emb(input_ids))
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=self.low, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return self.down((up + 1) * glu).pow(2).mean()
+
+
+def test_hand_written_clamped_glu():
+    torch.manual_seed(0)
+    model = ClampedGLU()
+    ids = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        gate_up = model.gate_up(model.emb(ids))
+    assert (gate_up[..., ::2] > model.limit).any() and (gate_up[..., 1::2].abs() > model.limit).any()
+    loss_err, grad_err, report, _ = compiled_parity(model, {"input_ids": ids}, loss_fn=lambda out: out)
+    assert [s.variant for s in report.matched] == ["swiglu_clamped_gpt_oss"], str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+def test_near_miss_asymmetric_up_clamp():
+    """up clamped to [-1, 1.5] with the gate at max 1.5: not the op's [-limit, limit]; reported, and
+    the graph still computes the model's own values."""
+    torch.manual_seed(0)
+    model = ClampedGLU(low=-1.0)
+    ids = torch.randint(0, 50, (2, 7))
+    report = fxfuse.explain(model, ids)
+    assert report.counts()["swiglu"] == 0
+    (site,) = [s for s in report.unmatched if s.pattern == "swiglu"]
+    assert "[-1.0, 1.5]" in site.reason, site.reason
+    out = torch.compile(model, backend="fxfuse", options={"inner": "eager"})(ids)
+    torch.testing.assert_close(out, model(ids), rtol=0, atol=0)
+
+
+class UnclampedScaledGLU(ClampedGLU):
+    """gate * sigmoid(1.702 * gate) * up with no clamps and no `up + 1`: a gated quick-GELU that no
+    fused kernel computes."""
+
+    def forward(self, input_ids):
+        gate_up = self.gate_up(self.emb(input_ids))
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        return self.down(gate * torch.sigmoid(gate * self.alpha) * up).pow(2).mean()
+
+
+def test_unclamped_scaled_gate_is_reported():
+    torch.manual_seed(0)
+    model = UnclampedScaledGLU()
+    ids = torch.randint(0, 50, (2, 7))
+    report = fxfuse.explain(model, ids)
+    assert report.counts()["swiglu"] == 0
+    (site,) = [s for s in report.unmatched if s.pattern == "swiglu"]
+    assert "gpt-oss's clamped form" in site.reason, site.reason

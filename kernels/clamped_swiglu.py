@@ -1,0 +1,282 @@
+"""gpt-oss's clamped SwiGLU: ``torch.ops.fxfuse.clamped_swiglu(gate, up, alpha, limit)``.
+
+Shapes: gate, up: [..., I] (same shape and dtype), viewed as [M, I] rows with any row and column
+strides, so gpt-oss's interleaved ``gate_up[..., ::2]`` / ``gate_up[..., 1::2]`` are read in place;
+out: contiguous [..., I].
+
+Forward (HF GptOssExperts._apply_gate; fp32 math, L = limit, a = alpha):
+    g' = clamp(g, max=L)          u' = clamp(u, -L, L)
+    s  = sigmoid(a * g')          glu = g' * s          p = u' + 1
+    out = p * glu
+With round_act (backend option numerics="eager") a * g', s, glu and p are rounded to the dtype
+where eager's bf16 / fp16 ops store them, so out equals eager's result up to sigmoid's last fp32 bit.
+
+Backward (g', u', s, glu, p recomputed from gate and up; only gate and up are saved):
+    dp   = dout * glu                       dup   = dp    where -L <= u <= L, else 0
+    dglu = dout * p
+    dg'  = dglu * s + (dglu * g') * (1 - s) * s * a
+                                            dgate = dg'   where g <= L, else 0
+    (clamp's subgradient at the bounds is 1, a NaN input gets 0: aten's clamp_backward.) With
+    round_act each product above is rounded where eager's autograd stores it: dout * glu,
+    dout * p, dglu * s, dglu * g', sigmoid_backward's (ds * (1 - s)) * s, and its * a.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ._dispatch import register_autograd
+from ._round import round_code, round_ref, round_to
+from .swiglu import _ACT_ID, _launch_config, _on_triton, _rne_by_bits, _round
+
+
+@triton.jit
+def _sigmoid(z, LIBDEVICE: tl.constexpr):
+    """PyTorch's CUDA sigmoid, 1 / (1 + expf(-z)) with an accurate expf and a round-to-nearest divide,
+    so a rounded s is eager's (tl.sigmoid's ex2.approx and fast divide flip ~1e-3 of bf16 roundings).
+    The interpreter has no libdevice; its numpy exp is accurate too."""
+    if LIBDEVICE:
+        e = libdevice.exp(-z)
+    else:
+        e = tl.exp(-z)
+    return tl.math.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + e)
+
+
+@triton.jit
+def _forward_terms(g, u, alpha, limit, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """(g', s, glu, p) in fp32, each rounded as eager stores it when ROUND != 0. NaN stays NaN:
+    ``x > L`` is False for NaN."""
+    gc = tl.where(g > limit, limit, g)
+    uc = tl.where(u < -limit, -limit, u)
+    uc = tl.where(uc > limit, limit, uc)
+    z = round_to(gc * alpha, ROUND, RNE_BY_BITS)
+    s = round_to(_sigmoid(z, LIBDEVICE), ROUND, RNE_BY_BITS)
+    glu = round_to(gc * s, ROUND, RNE_BY_BITS)
+    p = round_to(uc + 1.0, ROUND, RNE_BY_BITS)
+    return gc, s, glu, p
+
+
+@triton.jit
+def _clamped_swiglu_fwd_kernel(
+    gate_ptr,  # [M, I], strides (stride_gm, stride_gn)
+    up_ptr,  # [M, I], strides (stride_um, stride_un)
+    out_ptr,  # [M, I] contiguous
+    M,
+    I,
+    stride_gm,
+    stride_gn,
+    stride_um,
+    stride_un,
+    alpha,  # fp32 scalar
+    limit,  # fp32 scalar
+    ROUND: tl.constexpr,  # round_code of the dtype, 0 for one rounding at the store
+    RNE_BY_BITS: tl.constexpr,
+    LIBDEVICE: tl.constexpr,  # CUDA: libdevice's expf (see _sigmoid)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < I)[None, :]
+    r64, c64 = rows.to(tl.int64)[:, None], cols.to(tl.int64)[None, :]  # M * row stride can pass 2**31
+    g = tl.load(gate_ptr + r64 * stride_gm + c64 * stride_gn, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + r64 * stride_um + c64 * stride_un, mask=mask, other=0.0).to(tl.float32)
+    _, _, glu, p = _forward_terms(g, u, alpha, limit, ROUND, RNE_BY_BITS, LIBDEVICE)
+    tl.store(out_ptr + r64 * I + c64, _round(p * glu, out_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
+
+
+@triton.jit
+def _clamped_swiglu_bwd_kernel(
+    dout_ptr,  # [M, I], strides (stride_dm, stride_dn)
+    gate_ptr,  # [M, I], strides (stride_gm, stride_gn)
+    up_ptr,  # [M, I], strides (stride_um, stride_un)
+    dgate_ptr,  # [M, I] contiguous (unwritten unless NEED_DGATE)
+    dup_ptr,  # [M, I] contiguous (unwritten unless NEED_DUP)
+    M,
+    I,
+    stride_dm,
+    stride_dn,
+    stride_gm,
+    stride_gn,
+    stride_um,
+    stride_un,
+    alpha,
+    limit,
+    NEED_DGATE: tl.constexpr,
+    NEED_DUP: tl.constexpr,
+    ROUND: tl.constexpr,
+    RNE_BY_BITS: tl.constexpr,
+    LIBDEVICE: tl.constexpr,  # CUDA: libdevice's expf (see _sigmoid)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < I)[None, :]
+    r64, c64 = rows.to(tl.int64)[:, None], cols.to(tl.int64)[None, :]
+    dout = tl.load(dout_ptr + r64 * stride_dm + c64 * stride_dn, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + r64 * stride_gm + c64 * stride_gn, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + r64 * stride_um + c64 * stride_un, mask=mask, other=0.0).to(tl.float32)
+    gc, s, glu, p = _forward_terms(g, u, alpha, limit, ROUND, RNE_BY_BITS, LIBDEVICE)
+    if NEED_DUP:
+        dp = round_to(dout * glu, ROUND, RNE_BY_BITS)
+        du = tl.where((u >= -limit) & (u <= limit), dp, 0.0)
+        tl.store(dup_ptr + r64 * I + c64, _round(du, dup_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
+    if NEED_DGATE:
+        dglu = round_to(dout * p, ROUND, RNE_BY_BITS)
+        d_direct = round_to(dglu * s, ROUND, RNE_BY_BITS)
+        ds = round_to(dglu * gc, ROUND, RNE_BY_BITS)
+        dz = round_to(ds * (1.0 - s) * s, ROUND, RNE_BY_BITS)
+        d_sig = round_to(dz * alpha, ROUND, RNE_BY_BITS)
+        dg = tl.where(g <= limit, d_direct + d_sig, 0.0)
+        tl.store(dgate_ptr + r64 * I + c64, _round(dg, dgate_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., I] -> an [M, I] view (any strides); copies only if the leading dims do not merge."""
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def _check_args(gate: torch.Tensor, up: torch.Tensor, limit: float) -> None:
+    if gate.dim() == 0:
+        raise ValueError("fxfuse.clamped_swiglu: gate and up need a last dim (got 0-dim tensors)")
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"fxfuse.clamped_swiglu: gate {gate.shape}/{gate.dtype} and up {up.shape}/{up.dtype} differ")
+    if not limit >= 0:
+        raise ValueError(f"fxfuse.clamped_swiglu: limit must be >= 0, got {limit}")
+
+
+# Tile sizing as SwiGLU's silu (same ALU weight: one sigmoid per element).
+_SIZING = _ACT_ID["silu"]
+
+_lib = torch.library.Library("fxfuse", "FRAGMENT")
+_lib.define("clamped_swiglu(Tensor gate, Tensor up, float alpha, float limit, bool round_act=False) -> Tensor")
+_lib.define(
+    "clamped_swiglu_backward(Tensor grad_out, Tensor gate, Tensor up, float alpha, float limit, "
+    "bool need_dgate, bool need_dup, bool round_act=False) -> (Tensor, Tensor)"
+)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float,
+                   round_act: bool = False) -> torch.Tensor:
+    """(clamp(up, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = clamp(gate, max=limit)."""
+    _check_args(gate, up, limit)
+    if not _on_triton(gate):
+        return _clamped_swiglu_reference(gate, up, alpha, limit, round_act)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel() == 0:
+        return out
+    g2, u2 = _rows(gate), _rows(up)
+    m, n = g2.shape
+    grid, bm, bn, num_warps = _launch_config(m, n, _SIZING)
+    _clamped_swiglu_fwd_kernel[grid](
+        g2, u2, out, m, n, *g2.stride(), *u2.stride(), alpha, limit,
+        ROUND=round_code(gate.dtype, round_act), RNE_BY_BITS=_rne_by_bits(out), LIBDEVICE=gate.is_cuda,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
+    )
+    return out
+
+
+def clamped_swiglu_backward(
+    grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float,
+    need_dgate: bool, need_dup: bool, round_act: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup), each [..., I] contiguous; a gradient not asked for comes back as an empty [0] tensor."""
+    _check_args(gate, up, limit)
+    if not _on_triton(gate):
+        return _clamped_swiglu_backward_reference(grad_out, gate, up, alpha, limit, need_dgate, need_dup, round_act)
+    dgate = torch.empty(gate.shape if need_dgate else (0,), dtype=gate.dtype, device=gate.device)
+    dup = torch.empty(gate.shape if need_dup else (0,), dtype=gate.dtype, device=gate.device)
+    if gate.numel() == 0 or not (need_dgate or need_dup):
+        return dgate, dup
+    d2, g2, u2 = _rows(grad_out), _rows(gate), _rows(up)
+    m, n = g2.shape
+    grid, bm, bn, num_warps = _launch_config(m, n, _SIZING)
+    _clamped_swiglu_bwd_kernel[grid](
+        d2, g2, u2, dgate, dup, m, n, *d2.stride(), *g2.stride(), *u2.stride(), alpha, limit,
+        NEED_DGATE=need_dgate, NEED_DUP=need_dup, ROUND=round_code(gate.dtype, round_act),
+        RNE_BY_BITS=_rne_by_bits(gate), LIBDEVICE=gate.is_cuda, BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
+    )
+    return dgate, dup
+
+
+for _key in ("CPU", "CUDA"):  # plain Library registration, as fxfuse::swiglu (host time per call)
+    _lib.impl("clamped_swiglu", clamped_swiglu, _key)
+    _lib.impl("clamped_swiglu_backward", clamped_swiglu_backward, _key)
+
+
+@torch.library.register_fake("fxfuse::clamped_swiglu", lib=_lib)
+def _(gate, up, alpha, limit, round_act=False):
+    _check_args(gate, up, limit)
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.register_fake("fxfuse::clamped_swiglu_backward", lib=_lib)
+def _(grad_out, gate, up, alpha, limit, need_dgate, need_dup, round_act=False):
+    _check_args(gate, up, limit)
+    return gate.new_empty(gate.shape if need_dgate else (0,)), gate.new_empty(gate.shape if need_dup else (0,))
+
+
+_OP = torch.ops.fxfuse.clamped_swiglu.default
+_OP_BACKWARD = torch.ops.fxfuse.clamped_swiglu_backward.default
+
+
+class _ClampedSwiGLUFunction(torch.autograd.Function):
+    """Autograd of fxfuse::clamped_swiglu; saves only gate and up (views of gate_up stay views)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, alpha, limit, round_act=False):
+        ctx.save_for_backward(gate, up)
+        ctx.args = (alpha, limit)
+        ctx.round_act = round_act
+        with torch._C._AutoDispatchBelowAutograd():
+            return _OP(gate, up, alpha, limit, round_act)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up = ctx.saved_tensors
+        need_dgate, need_dup = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_dgate or need_dup):
+            return None, None, None, None, None
+        dgate, dup = _OP_BACKWARD(grad_out, gate, up, *ctx.args, need_dgate, need_dup, ctx.round_act)
+        return (dgate if need_dgate else None), (dup if need_dup else None), None, None, None
+
+
+register_autograd(_lib, "clamped_swiglu", _OP, _ClampedSwiGLUFunction)
+
+
+def _terms_ref(gate, up, alpha, limit, round_act):
+    """PyTorch twin of _forward_terms, in fp32 (fp64 stays fp64)."""
+    wide = torch.promote_types(gate.dtype, torch.float32)
+    rnd = lambda y: round_ref(y, gate.dtype, round_act)  # noqa: E731
+    g, u = gate.to(wide), up.to(wide)
+    gc = g.clamp(max=limit)
+    s = rnd(torch.sigmoid(rnd(gc * alpha)))
+    return g, u, gc, s, rnd(gc * s), rnd(u.clamp(-limit, limit) + 1.0)
+
+
+def _clamped_swiglu_reference(gate, up, alpha, limit, round_act=False):
+    _, _, _, _, glu, p = _terms_ref(gate, up, alpha, limit, round_act)
+    return (p * glu).to(gate.dtype).contiguous()
+
+
+def _clamped_swiglu_backward_reference(grad_out, gate, up, alpha, limit, need_dgate, need_dup, round_act=False):
+    g, u, gc, s, glu, p = _terms_ref(gate, up, alpha, limit, round_act)
+    rnd = lambda y: round_ref(y, gate.dtype, round_act)  # noqa: E731
+    d = grad_out.to(g.dtype)
+    empty = gate.new_empty(0)
+    dup = empty
+    if need_dup:
+        dup = torch.where((u >= -limit) & (u <= limit), rnd(d * glu), 0.0).to(gate.dtype).contiguous()
+    dgate = empty
+    if need_dgate:
+        dglu = rnd(d * p)
+        dz = rnd(rnd(dglu * gc) * (1.0 - s) * s)
+        dg = rnd(dglu * s) + rnd(dz * alpha)
+        dgate = torch.where(g <= limit, dg, 0.0).to(gate.dtype).contiguous()
+    return dgate, dup
