@@ -46,6 +46,7 @@ def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.Gra
         aten_gm = to_aten(gm, example_inputs)
         before = aten_gm.code if opts.debug_dir else ""
         report = rewrite(aten_gm, selected_patterns(opts.patterns), opts)
+        report.opaque = aten_gm.meta.pop("fxfuse_opaque", [])
         if opts.causal_attention:
             done, left = causal_attention(aten_gm)
             variant = causal_variant(aten_gm)

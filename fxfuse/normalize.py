@@ -14,6 +14,7 @@ from torch._guards import TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from . import opaque
 from .checkpoint import inline_checkpoints
 
 
@@ -44,15 +45,57 @@ class Unsupported(RuntimeError):
 
 
 def check_retraceable(gm: fx.GraphModule) -> None:
-    """Higher-order ops (a custom autograd.Function, selective activation checkpointing, ...) carry
-    backward rules or recomputation policies that a plain re-trace would drop, silently losing
-    gradients (seen with Bloom's GeLU autograd.Function): such graphs stay unfused. Plain activation
-    checkpointing is inlined with its recompute tags before this check (checkpoint.py)."""
+    """Higher-order ops carry backward rules or recomputation policies that a plain re-trace would
+    drop, silently losing gradients (seen with Bloom's GeLU autograd.Function). Those in
+    opaque.KEPT pass through the re-trace as they are (opaque.py); a graph holding any other stays
+    unfused. Plain activation checkpointing is inlined with its recompute tags before this check
+    (checkpoint.py)."""
     for n in gm.graph.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
-            what = ("selective activation checkpointing (a context_fn policy)"
-                    if n.target.__name__ == "tag_activation_checkpoint" else f"higher-order op {n.target.__name__}")
-            raise Unsupported(f"{what} ({n.name}) would lose its backward or recomputation in the re-trace")
+            why = opaque.unsupported_output(n) if opaque.is_kept(n) else (
+                f"higher-order op {n.target.__name__} ({n.name}) would lose its backward or "
+                "recomputation in the re-trace")
+            if why:
+                raise Unsupported(why)
+
+
+def _transposed_2d(n) -> fx.Node | None:
+    """w when n is w.t(), w.T, w.transpose(0, 1) (either order, or -1/-2) or w.permute(1, 0) of a
+    2-D w."""
+    aten = torch.ops.aten
+    if not isinstance(n, fx.Node) or n.op != "call_function":
+        return None
+    w = n.args[0] if n.args else None
+    val = w.meta.get("val") if isinstance(w, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() != 2:
+        return None
+    if n.target in (aten.t.default, aten.numpy_T.default):
+        return w
+    if n.target == aten.transpose.int and {d % 2 for d in n.args[1:3]} == {0, 1}:
+        return w
+    if n.target == aten.permute.default and [d % 2 for d in n.args[1]] == [1, 0]:
+        return w
+    return None
+
+
+def canonical_linear(graph: fx.Graph) -> None:
+    """``x @ w.t()`` (aten.matmul on a transposed 2-D w) -> ``aten.linear(x, w)``, which computes it
+    the same way (ATen's linear without bias is that matmul), so a pattern written with F.linear
+    also matches heads written as a matmul. Applied to pattern traces and model graphs alike."""
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target != torch.ops.aten.matmul.default:
+            continue
+        w = _transposed_2d(n.args[1])
+        x = n.args[0]
+        xval = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if w is None or not isinstance(xval, torch.Tensor) or xval.dim() < 2:
+            continue
+        with graph.inserting_before(n):
+            linear = graph.call_function(torch.ops.aten.linear.default, (x, w))
+        linear.meta.update(n.meta)
+        n.replace_all_uses_with(linear)
+        graph.erase_node(n)
+    graph.eliminate_dead_code()
 
 
 def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
@@ -63,13 +106,16 @@ def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     fakes = _fakify(gm, example_inputs, fake_mode)
 
-    def run(*args):
-        return fx.Interpreter(source).run(*args)
-
-    with fake_mode, fx_traceback.preserve_node_meta():
-        aten_gm = make_fx(run, pre_dispatch=True)(*fakes)
-    aten_gm.graph.eliminate_dead_code()  # make_fx leaves dead aten.detach nodes
+    interp = opaque.Interpreter(source)
+    try:
+        with fake_mode, fx_traceback.preserve_node_meta():
+            aten_gm = make_fx(interp.run, pre_dispatch=True)(*fakes)
+        opaque.restore(aten_gm, interp.originals)
+    finally:
+        opaque.forget(interp.originals)
+    canonical_linear(aten_gm.graph)  # also removes make_fx's dead aten.detach nodes
     aten_gm.recompile()
+    aten_gm.meta["fxfuse_opaque"] = [opaque.describe(n) for n in interp.originals.values()]
     aten_gm.meta.update(gm.meta)
     if hasattr(gm, "_param_name_to_source"):
         # tensor constants the re-trace lifted (a KV cache's initial tensors) need a source too

@@ -42,6 +42,8 @@ class Report:
     skipped_outputs: list[int] = field(default_factory=list)  # single graph: outputs not computed
     # SDPA calls with a mask (fxfuse/attention.py): reason "" = mask proven causal, now is_causal=True
     attention: list[Site] = field(default_factory=list)
+    # higher-order op calls kept as written through the re-trace (fxfuse/opaque.py), and where
+    opaque: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         """Matched sites per pattern; every pattern name is present."""
@@ -54,6 +56,7 @@ class Report:
         self.unmatched += [replace(s, graph=s.graph + self.graphs) for s in other.unmatched]
         self.attention += [replace(s, graph=s.graph + self.graphs) for s in other.attention]
         self.errors += other.errors
+        self.opaque += other.opaque
         self.graphs += other.graphs
 
     @classmethod
@@ -72,6 +75,7 @@ class Report:
                 "unmatched": [asdict(s) for s in self.unmatched],
                 "errors": self.errors,
                 "attention": [asdict(s) for s in self.attention],
+                "opaque": self.opaque,
             },
             indent=2,
         )
@@ -96,6 +100,7 @@ class Report:
         left = [s for s in self.attention if s.reason]
         if left:
             lines.append(_table("attention masks kept", left, ("module", "source", "reason")))
+        lines += [f"opaque: {o}" for o in self.opaque]
         lines += [f"error: {e}" for e in self.errors]
         return "\n".join(lines)
 

@@ -57,8 +57,6 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
     # transformers logs a warning (loss_type=None) between lm_head and loss: a graph break;
     # config.loss_type = "ForCausalLM" avoids it
     ("gpt2", "linear_cross_entropy"): "graph break",
-    # Bloom's GeLU is a custom autograd.Function: the graph stays whole unfused (normalize.py)
-    ("bloom", "linear_cross_entropy"): "higher-order op autograd_function_apply",
 }
 
 

@@ -77,7 +77,9 @@ def lce_class_dim_second(x, w, target2d, ignore_index=-100, label_smoothing=0.0)
 
 
 def lce_matmul(x, w, target, ignore_index=-100, label_smoothing=0.0):
-    """Hand-written heads: x @ W.t()."""
+    """Hand-written heads: x @ W.t(), no cast. normalize.canonical_linear turns every matmul on a
+    transposed 2-D weight (.t(), .T, transpose, permute) into F.linear, in this trace and in the
+    model's graph, so each F.linear variant here also matches its matmul spelling."""
     logits = x @ w.t()
     return _ce(logits.view(-1, logits.size(-1)), target, ignore_index, label_smoothing)
 

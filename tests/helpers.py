@@ -96,3 +96,19 @@ def gated_grads(fn, g, u, dout):
     out = fn(g, u)
     dg, du = torch.autograd.grad(out, (g, u), dout)
     return out, dg, du
+
+
+def saved_bytes(model: nn.Module, inputs: dict, options: dict):
+    """Bytes the compiled step saves for backward (second call), its loss and gradients."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxfuse", options=options)
+    for _ in range(2):
+        packed = []
+
+        def pack(t):
+            packed.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss, grads = loss_and_grads(model, inputs, call=compiled)
+    return sum(packed), loss, grads

@@ -121,7 +121,10 @@ class TitanBlock(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.attention_norm, self.ffn_norm = nn.RMSNorm(dim, eps=1e-5), nn.RMSNorm(dim, eps=1e-5)
 
-    def forward(self, x, freqs_cis):
+    def attention(self, q, k, v, *extra):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def forward(self, x, freqs_cis, *extra):  # extra: what a subclass's attention takes (a block mask)
         b, t, _ = x.shape
         h = self.attention_norm(x)
         q = self.wq(h).view(b, t, self.heads, self.head_dim)
@@ -129,7 +132,7 @@ class TitanBlock(nn.Module):
         v = self.wv(h).view(b, t, self.kv_heads, self.head_dim)
         q, k = titan_rotary(q, k, freqs_cis)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = self.attention(q, k, v, *extra)
         x = x + self.wo(y.transpose(1, 2).reshape(b, t, -1))
         h = self.ffn_norm(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))

@@ -186,38 +186,6 @@ def test_retrace_failure_leaves_graph_unfused(monkeypatch):
     assert "make_fx says no" in str(report)
 
 
-def test_custom_autograd_function_graph_stays_unfused_with_correct_grads():
-    """A re-trace would run the Function's forward and drop its backward (lost gradients)."""
-    class Square(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x * x
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return 2 * x * g
-
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin, self.norm = torch.nn.Linear(8, 8), torch.nn.RMSNorm(8)
-
-        def forward(self, x):
-            return Square.apply(self.norm(self.lin(x))).sum()
-
-    model = M()
-    x = torch.randn(3, 8)
-    model(x).backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})(x).backward()
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref[n])
-    assert "autograd_function_apply" in fxfuse.last_report().errors[0]
-
-
 def test_kv_cache_constants_in_the_graph():
     """use_cache=True puts the cache's initial tensors in the graph as constants; the re-traced
     graph must still give AOTAutograd a source for each."""

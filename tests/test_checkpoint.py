@@ -5,22 +5,21 @@ checkpoints each block by hand: every site fused, the report says which sites si
 region, loss and every gradient equal eager's (fp32 < 1e-5), and the compiled step saves fewer bytes
 for backward than the same compile without checkpointing (what the compiled autograd function packs,
 seen through saved_tensors_hooks on a call after the compiling one: make_fx's fake tracing at compile
-time packs fake tensors too). Selective checkpointing (a context_fn policy) is reported and left
-unfused; a pattern that would straddle a region boundary is not fused across it.
+time packs fake tensors too). A pattern that would straddle a region boundary is not fused across
+it. Selective checkpointing (a context_fn policy) is kept as written: tests/test_opaque.py.
 """
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 import fxfuse
 from fxfuse.checkpoint import inline_checkpoints
-from tests.helpers import batch, compiled_parity, hf_model, loss_and_grads, rel_err
+from tests.helpers import batch, compiled_parity, hf_model, loss_and_grads, rel_err, saved_bytes
 from tests.models import TitanLM
 
 COUNTS = {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}  # 2 layers + final norm + head
@@ -64,41 +63,14 @@ def test_hand_written_checkpoint_is_fused_with_parity():
     assert loss_err < 1e-5 and grad_err < 1e-5
 
 
-def _saved_bytes(model, inputs, options):
-    """Bytes the compiled step saves for backward (second call), its loss and gradients."""
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fxfuse", options=options)
-    for _ in range(2):
-        packed = []
-
-        def pack(t):
-            packed.append(t.numel() * t.element_size())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss, grads = loss_and_grads(model, inputs, call=compiled)
-    return sum(packed), loss, grads
-
-
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_checkpointed_regions_are_recomputed(inner):
     inputs = batch()
     ref_loss, ref = loss_and_grads(hf_model("llama", num_hidden_layers=2), inputs)
-    kept, _, _ = _saved_bytes(hf_model("llama", num_hidden_layers=2), inputs, {"inner": inner})
-    recomputed, loss, grads = _saved_bytes(_checkpointed_llama(False), inputs, {"inner": inner})
+    kept, _, _ = saved_bytes(hf_model("llama", num_hidden_layers=2), inputs, {"inner": inner})
+    recomputed, loss, grads = saved_bytes(_checkpointed_llama(False), inputs, {"inner": inner})
     assert recomputed < 0.85 * kept, (recomputed, kept)
     assert rel_err(loss, ref_loss) < 1e-5 and max(rel_err(grads[k], ref[k]) for k in ref) < 1e-5
-
-
-def test_selective_checkpointing_is_left_unfused_and_says_so():
-    policy = functools.partial(create_selective_checkpoint_contexts,
-                               lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
-    model = _checkpointed_llama(False)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": policy})
-    loss_err, grad_err, report, _ = compiled_parity(model, batch())
-    assert report.counts() == dict.fromkeys(COUNTS, 0)
-    assert any("selective activation checkpointing" in e for e in report.errors), report.errors
-    assert loss_err < 1e-5 and grad_err < 1e-5
 
 
 def test_norm_split_by_a_region_boundary_is_not_fused_across_it():
@@ -186,8 +158,8 @@ def test_gpu_checkpointed_llama_inductor():
     torch.backends.cudnn.allow_tf32 = False
     inputs = {k: v.cuda() for k, v in batch().items()}
     ref_loss, ref = loss_and_grads(hf_model("llama", num_hidden_layers=2).cuda(), inputs)
-    kept, _, _ = _saved_bytes(hf_model("llama", num_hidden_layers=2).cuda(), inputs, {"inner": "inductor"})
-    recomputed, loss, grads = _saved_bytes(_checkpointed_llama(False).cuda(), inputs, {"inner": "inductor"})
+    kept, _, _ = saved_bytes(hf_model("llama", num_hidden_layers=2).cuda(), inputs, {"inner": "inductor"})
+    recomputed, loss, grads = saved_bytes(_checkpointed_llama(False).cuda(), inputs, {"inner": "inductor"})
     assert recomputed < 0.85 * kept, (recomputed, kept)
     assert rel_err(loss, ref_loss) < 1e-5 and max(rel_err(grads[k], ref[k]) for k in ref) < 1e-5
 

@@ -86,6 +86,11 @@ class Head(torch.nn.Module):
         if self.spelling == "matmul":
             logits = x @ self.lin.weight.t()
             return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), reduction="sum") / 7
+        if self.spelling == "matmul_flatten":  # x @ W.T in torchtitan's flatten-then-cast form
+            return F.cross_entropy((x @ self.lin.weight.T).flatten(0, 1).float(), labels.flatten(0, 1))
+        if self.spelling == "matmul_transpose_scaled":
+            logits = ((x @ self.lin.weight.transpose(0, 1)) * 0.5).float()
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
         if self.spelling == "class_dim_second":
             return F.cross_entropy(self.lin(x).float().transpose(1, 2), labels, label_smoothing=0.1)
         if self.spelling == "flatten":
@@ -97,7 +102,8 @@ class Head(torch.nn.Module):
 
 
 @pytest.mark.parametrize("spelling,variant,bias", [
-    ("matmul", "lce_matmul", False), ("class_dim_second", "lce_class_dim_second", False),
+    ("matmul", "lce_hf", False), ("matmul_flatten", "lce_flatten", False),
+    ("matmul_transpose_scaled", "lce_hf_scaled", False), ("class_dim_second", "lce_class_dim_second", False),
     ("flatten", "lce_flatten", False), ("scaled", "lce_hf_scaled", False), ("bias", "lce_hf_bias", True)])
 def test_hand_written_heads(spelling, variant, bias):
     torch.manual_seed(0)

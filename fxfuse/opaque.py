@@ -1,0 +1,153 @@
+"""Higher-order ops carried through the re-trace unchanged.
+
+A custom ``torch.autograd.Function`` (Dynamo's ``autograd_function_apply``), flex attention, selective
+activation checkpointing (``tag_activation_checkpoint`` with a ``context_fn`` policy) and
+``invoke_subgraph`` reach the backend as one call of a higher-order op on subgraphs. Re-tracing
+such a call with make_fx would run its forward and drop what makes it special: the Function's
+backward, the checkpoint policy. So the re-trace sees a stand-in instead, one call of the opaque op
+``fxfuse::hop(tensors, sym_ints, key)``, whose fake impl runs the real higher-order op on fake inputs
+for the output shapes. Right after the re-trace each stand-in is swapped back for the original call
+(its subgraphs copied onto the new graph module), so the matcher sees an op it does not know (a
+fused pattern never swallows it, and an intermediate it reads counts as escaping) and AOTAutograd
+lowers the call as it would have in Dynamo's own graph. Nothing inside the call is fused.
+
+Any other higher-order op still leaves the whole graph unfused (normalize.check_retraceable).
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+# Higher-order ops whose call is functional (no input mutation, tensor or flat tuple of tensors
+# out) and whose fake run gives their outputs' metadata.
+KEPT = ("autograd_function_apply", "flex_attention", "tag_activation_checkpoint", "invoke_subgraph")
+
+_CALLS: dict[int, tuple] = {}  # key -> (op, args/kwargs spec, leaf kinds, constant leaves) during a re-trace
+_keys = itertools.count()
+
+
+@torch.library.custom_op("fxfuse::hop", mutates_args=())
+def hop(tensors: list[torch.Tensor], sym_ints: list[int], key: int) -> list[torch.Tensor]:
+    """Stand-in for a higher-order op call during the re-trace; never runs."""
+    raise RuntimeError("fxfuse::hop is a re-trace stand-in and was not swapped back for its call")
+
+
+@hop.register_fake
+def _(tensors, sym_ints, key):
+    out = _call(key, tensors, sym_ints)
+    return [t.clone() for t in pytree.tree_leaves(out)]  # an op's outputs may not alias its inputs
+
+
+def is_kept(n: fx.Node) -> bool:
+    return (n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)
+            and n.target.__name__ in KEPT)
+
+
+def describe(n: fx.Node) -> str:
+    from .report import module_path, source_line
+
+    what = ("selective activation checkpointing" if n.target.__name__ == "tag_activation_checkpoint"
+            else n.target.__name__)
+    where = module_path(n) or "(root)"
+    src = source_line(n)
+    return f"{what} ({n.name}) at {where}{' ' + src if src else ''}: kept as written, nothing inside it fused"
+
+
+def unsupported_output(n: fx.Node) -> str | None:
+    """Why n's call cannot stand in as fxfuse::hop (its outputs are not a tensor or a flat tuple
+    or list of tensors), or None."""
+    val = n.meta.get("example_value")
+    if isinstance(val, torch.Tensor):
+        return None
+    if isinstance(val, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in val):
+        return None
+    return f"higher-order op {n.target.__name__} ({n.name}) returns {type(val).__name__}, not tensors"
+
+
+def _kind(leaf) -> str:
+    if isinstance(leaf, torch.Tensor):
+        return "tensor"
+    if isinstance(leaf, torch.SymInt):
+        return "sym_int"
+    if isinstance(leaf, (torch.SymFloat, torch.SymBool)):
+        raise NotImplementedError(f"a {type(leaf).__name__} argument of a higher-order op")
+    return "const"
+
+
+def _call(key: int, tensors, sym_ints):
+    op, spec, kinds, consts = _CALLS[key]
+    ts, ss = iter(tensors), iter(sym_ints)
+    leaves = [next(ts) if k == "tensor" else next(ss) if k == "sym_int" else c for k, c in zip(kinds, consts)]
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    return op(*args, **kwargs)
+
+
+class Interpreter(fx.Interpreter):
+    """fx.Interpreter that runs each kept higher-order op call as one fxfuse::hop call."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.originals: dict[int, fx.Node] = {}  # key of each stand-in -> the call it stands for
+
+    def run_node(self, n: fx.Node):
+        if not is_kept(n):
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        kinds = [_kind(v) for v in leaves]
+        key = next(_keys)
+        _CALLS[key] = (n.target, spec, kinds, [v if k == "const" else None for v, k in zip(leaves, kinds)])
+        self.originals[key] = n
+        out = hop([v for v, k in zip(leaves, kinds) if k == "tensor"],
+                  [v for v, k in zip(leaves, kinds) if k == "sym_int"], key)
+        val = n.meta["example_value"]
+        return out[0] if isinstance(val, torch.Tensor) else type(val)(out)
+
+
+def restore(gm: fx.GraphModule, originals: dict[int, fx.Node]) -> None:
+    """Swap each fxfuse::hop stand-in in gm for the call it stands for (originals: key -> node of
+    Dynamo's graph, from Interpreter.originals); the call's subgraph modules are copied onto gm."""
+    graph = gm.graph
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not torch.ops.fxfuse.hop.default:
+            continue
+        tensors, sym_ints, key = n.args
+        op, spec, kinds, consts = _CALLS[key]
+        original = originals[key]
+        ts, ss = iter(tensors), iter(sym_ints)
+        leaves = []
+        with graph.inserting_before(n):
+            for i, (k, c) in enumerate(zip(kinds, consts)):
+                if k == "tensor":
+                    leaves.append(next(ts))
+                elif k == "sym_int":
+                    leaves.append(next(ss))
+                elif isinstance(c, torch.nn.Module):
+                    name = f"fxfuse_{original.name}_{i}"  # Dynamo's node names: unique, stable across runs
+                    gm.add_submodule(name, c)
+                    leaves.append(graph.get_attr(name))
+                else:
+                    leaves.append(c)
+            args, kwargs = pytree.tree_unflatten(leaves, spec)
+            call = graph.call_function(op, tuple(args), kwargs)
+        call.meta.update({k: v for k, v in original.meta.items() if k != "val"})
+        vals = n.meta.get("val")
+        single = isinstance(original.meta["example_value"], torch.Tensor)
+        if vals is not None:
+            call.meta["val"] = vals[0] if single else tuple(vals)
+        if single:  # the stand-in's only output is read through getitem(n, 0)
+            for user in list(n.users):
+                user.replace_all_uses_with(call)
+                graph.erase_node(user)
+        else:
+            n.replace_all_uses_with(call)
+        graph.erase_node(n)
+    gm.recompile()
+
+
+def forget(originals: dict[int, fx.Node]) -> None:
+    for key in originals:
+        _CALLS.pop(key, None)

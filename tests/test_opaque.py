@@ -1,0 +1,195 @@
+"""Higher-order ops kept as written through the re-trace (fxfuse/opaque.py): a custom
+autograd.Function, selective activation checkpointing and flex attention stay one call with their
+own backward or policy, and the patterns around them are fused."""
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import fxfuse
+from tests.helpers import batch, compiled_parity, hf_model, loss_and_grads, rel_err, saved_bytes
+from tests.models import TitanBlock, TitanLM
+
+FP32_TOL = 1e-5
+
+
+class GradReverse(torch.autograd.Function):
+    """Gradient reversal (domain-adversarial training): identity forward, -0.5 * grad backward.
+    Autograd of the forward alone gives +grad, so a re-trace that dropped this backward would flip
+    the sign of every gradient upstream of it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return -0.5 * g
+
+
+class ReversedMLP(nn.Module):
+    """RMSNorm -> gradient reversal -> SwiGLU -> tied loss head."""
+
+    def __init__(self, vocab=96, d=32, hidden=48):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.norm, self.final_norm = nn.RMSNorm(d, eps=1e-6), nn.RMSNorm(d, eps=1e-6)
+        self.gate, self.up = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        h = GradReverse.apply(self.norm(x))
+        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        logits = F.linear(self.final_norm(x), self.emb.weight)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+@pytest.mark.parametrize("inner,dynamic", [("aot_eager", False), ("inductor", True)])
+def test_custom_autograd_function_keeps_its_backward_and_the_rest_is_fused(inner, dynamic):
+    torch.manual_seed(0)
+    model = ReversedMLP()
+    # labels != ids: with the tied head and labels = ids the loss is ~1e-4, a cancellation that
+    # puts fp32 rounding near the tolerance
+    ids, labels = batch()["input_ids"], batch(seed=2)["input_ids"]
+    loss_err, grad_err, report, _ = compiled_parity(
+        model, {"input_ids": ids, "labels": labels}, inner=inner, loss_fn=lambda out: out, dynamic=dynamic)
+    assert report.counts() == {"rms_norm": 2, "rope": 0, "swiglu": 1, "linear_cross_entropy": 1}, str(report)
+    assert not report.errors and len(report.opaque) == 1 and "autograd_function_apply" in report.opaque[0]
+    assert "nothing inside it fused" in str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+class NormIntoFunction(nn.Module):
+    """The Function reads the RMSNorm's rsqrt: that intermediate escapes the norm, which must stay
+    unfused (with or without its weight)."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (self.w * (x * rstd)).sum() + GradReverse.apply(rstd).pow(2).sum()
+
+
+def test_an_intermediate_read_by_the_function_blocks_the_fusion():
+    model = NormIntoFunction()
+    x = torch.randn(4, 32, requires_grad=True)
+    report = fxfuse.explain(model, x)
+    assert report.counts()["rms_norm"] == 0 and len(report.opaque) == 1, str(report)
+    (site,) = [s for s in report.unmatched if s.pattern == "rms_norm"]
+    assert "autograd_function_apply" in site.reason, site.reason
+    ref = torch.autograd.grad(model(x), (x, model.w))
+    got = torch.autograd.grad(torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})(x), (x, model.w))
+    assert max(rel_err(a, b) for a, b in zip(got, ref)) < FP32_TOL
+
+
+def _sac_llama(policy):
+    model = hf_model("llama", num_hidden_layers=2)
+    context = functools.partial(create_selective_checkpoint_contexts, lambda ctx, op, *a, **k: policy)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": context})
+    return model.train()
+
+
+def test_selective_checkpointing_keeps_its_policy_and_the_head_is_fused():
+    inputs = batch()
+    ref_loss, ref = loss_and_grads(hf_model("llama", num_hidden_layers=2), inputs)
+    recompute = _sac_llama(CheckpointPolicy.PREFER_RECOMPUTE)
+    loss_err, grad_err, report, _ = compiled_parity(recompute, inputs)
+    # the decoder layers are the regions; the final norm and the loss head sit outside them
+    assert report.counts() == {"rms_norm": 1, "rope": 0, "swiglu": 0, "linear_cross_entropy": 1}, str(report)
+    assert len(report.opaque) == 2 and all("selective activation checkpointing" in o for o in report.opaque)
+    assert not report.errors and loss_err < FP32_TOL and grad_err < FP32_TOL
+    # the policy still decides what is saved: recompute-everything saves less than save-everything
+    recomputed, loss, grads = saved_bytes(recompute, inputs, {"inner": "aot_eager"})
+    saved, _, _ = saved_bytes(_sac_llama(CheckpointPolicy.MUST_SAVE), inputs, {"inner": "aot_eager"})
+    assert recomputed < 0.85 * saved, (recomputed, saved)
+    assert rel_err(loss, ref_loss) < FP32_TOL and max(rel_err(grads[k], ref[k]) for k in ref) < FP32_TOL
+
+
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+class FlexBlock(TitanBlock):
+    """torchtitan's block with flex attention on a block mask built outside the model."""
+
+    def attention(self, q, k, v, block_mask):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+class FlexLM(TitanLM):
+    def __init__(self, dim=32, heads=4, kv_heads=2, hidden=48, layers=2):
+        super().__init__(dim=dim, heads=heads, kv_heads=kv_heads, hidden=hidden, layers=layers)
+        self.layers = nn.ModuleList(FlexBlock(dim, heads, kv_heads, hidden) for _ in range(layers))
+
+    def forward(self, input_ids, labels, block_mask):
+        x = self.tok_embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, self.freqs_cis[: input_ids.shape[1]], block_mask)
+        logits = self.output(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def _flex_inputs(device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ids = batch()["input_ids"].to(device)
+    mask = create_block_mask(_causal, None, None, ids.shape[1], ids.shape[1], device=device)
+    return {"input_ids": ids, "labels": ids, "block_mask": mask}
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("inner,dynamic", [("aot_eager", False), ("inductor", True)])
+def test_flex_attention_model_is_fused_around_it(inner, dynamic):
+    """PyTorch's CPU flex attention has no backward, so this checks inference; the gpu test below
+    trains."""
+    torch.manual_seed(0)
+    model = FlexLM()
+    inputs = _flex_inputs("cpu")
+    with torch.no_grad():
+        ref = model(**inputs)
+        torch._dynamo.reset()
+        out = torch.compile(model, backend="fxfuse", options={"inner": inner}, dynamic=dynamic)(**inputs)
+    report = fxfuse.last_report()
+    assert report.counts() == {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}, str(report)
+    assert len(report.opaque) == 2 and all(o.startswith("flex_attention") for o in report.opaque)
+    assert rel_err(out, ref) < FP32_TOL
+
+
+@pytest.mark.gpu
+def test_flex_attention_trains_with_parity_on_cuda():
+    torch.manual_seed(0)
+    model = FlexLM().cuda()
+    loss_err, grad_err, report, _ = compiled_parity(model, _flex_inputs("cuda"), inner="inductor",
+                                                    loss_fn=lambda out: out)
+    assert report.counts() == {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}, str(report)
+    assert len(report.opaque) == 2 and not report.errors
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+def test_other_higher_order_ops_still_leave_the_graph_unfused():
+    """torch.cond's branches are not in opaque.KEPT: the graph compiles unfused and says why."""
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.RMSNorm(8)
+
+        def forward(self, x):
+            h = self.norm(x)
+            return torch.cond(h.sum() > 0, lambda t: t * 2, lambda t: t - 1, (h,)).sum()
+
+    model = Branchy()
+    x = torch.randn(3, 8)
+    report = fxfuse.explain(model, x)
+    assert report.counts()["rms_norm"] == 0
+    assert any("higher-order op cond" in e for e in report.errors), report.errors
+    out = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})(x)
+    torch.testing.assert_close(out, model(x))
