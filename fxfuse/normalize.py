@@ -51,6 +51,9 @@ def check_retraceable(gm: fx.GraphModule) -> None:
     unfused. Plain activation checkpointing is inlined with its recompute tags before this check
     (checkpoint.py)."""
     for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "__name__", "") == "_vmap_increment_nesting":
+            # seen in create_block_mask: the re-trace bakes a batched tensor into a graph constant
+            raise Unsupported(f"torch.vmap ({n.name}): its batched tensors do not survive the re-trace")
         if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
             why = opaque.unsupported_output(n) if opaque.is_kept(n) else (
                 f"higher-order op {n.target.__name__} ({n.name}) would lose its backward or "

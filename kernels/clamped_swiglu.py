@@ -18,7 +18,10 @@ Backward (g', u', s, glu, p recomputed from gate and up; only gate and up are sa
                                             dgate = dg'   where g <= L, else 0
     (clamp's subgradient at the bounds is 1, a NaN input gets 0: aten's clamp_backward.) With
     round_act each product above is rounded where eager's autograd stores it: dout * glu,
-    dout * p, dglu * s, dglu * g', sigmoid_backward's (ds * (1 - s)) * s, and its * a.
+    dout * p, dglu * s, dglu * g' (= ds), sigmoid_backward's (ds * (1 - s)) * s, and its * a.
+    sigmoid_backward itself rounds as eager's kernel on the op's device does (_sigmoid_bwd_steps):
+    each of 1 - s, ds * (1 - s) and * s in the dtype on CUDA (and on CPU for fp16), or in fp32
+    and rounded once (CPU bf16).
 """
 from __future__ import annotations
 
@@ -109,6 +112,7 @@ def _clamped_swiglu_bwd_kernel(
     ROUND: tl.constexpr,
     RNE_BY_BITS: tl.constexpr,
     LIBDEVICE: tl.constexpr,  # CUDA: libdevice's expf (see _sigmoid)
+    SIG_STEPS: tl.constexpr,  # round_act: sigmoid_backward rounds each op (_sigmoid_bwd_steps)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -128,7 +132,11 @@ def _clamped_swiglu_bwd_kernel(
         dglu = round_to(dout * p, ROUND, RNE_BY_BITS)
         d_direct = round_to(dglu * s, ROUND, RNE_BY_BITS)
         ds = round_to(dglu * gc, ROUND, RNE_BY_BITS)
-        dz = round_to(ds * (1.0 - s) * s, ROUND, RNE_BY_BITS)
+        if SIG_STEPS:  # eager's sigmoid_backward in the dtype, one rounding per op
+            one_minus = round_to(1.0 - s, ROUND, RNE_BY_BITS)
+            dz = round_to(round_to(ds * one_minus, ROUND, RNE_BY_BITS) * s, ROUND, RNE_BY_BITS)
+        else:
+            dz = round_to(ds * (1.0 - s) * s, ROUND, RNE_BY_BITS)
         d_sig = round_to(dz * alpha, ROUND, RNE_BY_BITS)
         dg = tl.where(g <= limit, d_direct + d_sig, 0.0)
         tl.store(dgate_ptr + r64 * I + c64, _round(dg, dgate_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
@@ -140,6 +148,12 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
         return t.view(-1, t.shape[-1])
     except RuntimeError:
         return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def _sigmoid_bwd_steps(t: torch.Tensor) -> bool:
+    # PyTorch's CUDA sigmoid_backward computes a * (1 - b) * b in the dtype (c10's bf16/fp16
+    # operators round each op); its CPU kernel does too for fp16, but takes bf16 through fp32.
+    return t.is_cuda or t.dtype == torch.float16
 
 
 def _check_args(gate: torch.Tensor, up: torch.Tensor, limit: float) -> None:
@@ -200,7 +214,8 @@ def clamped_swiglu_backward(
     _clamped_swiglu_bwd_kernel[grid](
         d2, g2, u2, dgate, dup, m, n, *d2.stride(), *g2.stride(), *u2.stride(), alpha, limit,
         NEED_DGATE=need_dgate, NEED_DUP=need_dup, ROUND=round_code(gate.dtype, round_act),
-        RNE_BY_BITS=_rne_by_bits(gate), LIBDEVICE=gate.is_cuda, BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
+        RNE_BY_BITS=_rne_by_bits(gate), LIBDEVICE=gate.is_cuda, SIG_STEPS=_sigmoid_bwd_steps(gate),
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
     )
     return dgate, dup
 
@@ -276,7 +291,8 @@ def _clamped_swiglu_backward_reference(grad_out, gate, up, alpha, limit, need_dg
     dgate = empty
     if need_dgate:
         dglu = rnd(d * p)
-        dz = rnd(rnd(dglu * gc) * (1.0 - s) * s)
+        ds = rnd(dglu * gc)
+        dz = rnd(rnd(ds * rnd(1.0 - s)) * s) if _sigmoid_bwd_steps(gate) else rnd(ds * (1.0 - s) * s)
         dg = rnd(dglu * s) + rnd(dz * alpha)
         dgate = torch.where(g <= limit, dg, 0.0).to(gate.dtype).contiguous()
     return dgate, dup

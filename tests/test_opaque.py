@@ -166,12 +166,40 @@ def test_flex_attention_model_is_fused_around_it(inner, dynamic):
 @pytest.mark.gpu
 def test_flex_attention_trains_with_parity_on_cuda():
     torch.manual_seed(0)
-    model = FlexLM().cuda()
+    model = FlexLM(dim=64).cuda()  # Inductor's flex kernels need head_dim >= 16
     loss_err, grad_err, report, _ = compiled_parity(model, _flex_inputs("cuda"), inner="inductor",
                                                     loss_fn=lambda out: out)
     assert report.counts() == {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}, str(report)
     assert len(report.opaque) == 2 and not report.errors
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+@pytest.mark.gpu
+def test_hf_flex_attention_trains_with_parity_on_cuda():
+    model = hf_model("llama", attn_implementation="flex_attention", head_dim=16).cuda()  # Inductor's flex: >= 16
+    inputs = {k: v.cuda() for k, v in batch().items()}
+    loss_err, grad_err, report, _ = compiled_parity(model, inputs, inner="inductor")
+    assert report.counts() == {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}, str(report)
+    assert len(report.opaque) == 2
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_hf_flex_attention_is_fused_around_it():
+    """attn_implementation="flex_attention": transformers builds the block mask under the compile
+    (its own graph, with torch.vmap: left unfused and reported); the model's graphs fuse."""
+    model = hf_model("llama", attn_implementation="flex_attention")
+    inputs = batch()
+    n0 = len(fxfuse.compiled_reports())
+    with torch.no_grad():
+        ref = model(**inputs).loss
+        torch._dynamo.reset()
+        out = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})(**inputs).loss
+    report = fxfuse.Report.merge(fxfuse.compiled_reports()[n0:])
+    assert report.counts() == {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}, str(report)
+    assert len(report.opaque) == 2 and all(o.startswith("flex_attention") for o in report.opaque)
+    assert len(report.errors) == 1 and "torch.vmap" in report.errors[0], report.errors
+    assert rel_err(out, ref) < FP32_TOL
 
 
 def test_other_higher_order_ops_still_leave_the_graph_unfused():
