@@ -77,11 +77,19 @@ def _kind(leaf) -> str:
     return "const"
 
 
-def _call(key: int, tensors, sym_ints):
+def _rebuild(key: int, tensors, sym_ints, const=lambda i, c: c):
+    """(op, args, kwargs) of the call behind key, with tensors and sym_ints in their places and
+    const(i, c) for each constant leaf c at leaf index i."""
     op, spec, kinds, consts = _CALLS[key]
     ts, ss = iter(tensors), iter(sym_ints)
-    leaves = [next(ts) if k == "tensor" else next(ss) if k == "sym_int" else c for k, c in zip(kinds, consts)]
+    leaves = [next(ts) if k == "tensor" else next(ss) if k == "sym_int" else const(i, c)
+              for i, (k, c) in enumerate(zip(kinds, consts))]
     args, kwargs = pytree.tree_unflatten(leaves, spec)
+    return op, args, kwargs
+
+
+def _call(key: int, tensors, sym_ints):
+    op, args, kwargs = _rebuild(key, tensors, sym_ints)
     return op(*args, **kwargs)
 
 
@@ -115,23 +123,17 @@ def restore(gm: fx.GraphModule, originals: dict[int, fx.Node]) -> None:
         if n.op != "call_function" or n.target is not torch.ops.fxfuse.hop.default:
             continue
         tensors, sym_ints, key = n.args
-        op, spec, kinds, consts = _CALLS[key]
         original = originals[key]
-        ts, ss = iter(tensors), iter(sym_ints)
-        leaves = []
+
+        def subgraph(i, c):  # a subgraph module becomes a get_attr on gm
+            if not isinstance(c, torch.nn.Module):
+                return c
+            name = f"fxfuse_{original.name}_{i}"  # Dynamo's node names: unique, stable across runs
+            gm.add_submodule(name, c)
+            return graph.get_attr(name)
+
         with graph.inserting_before(n):
-            for i, (k, c) in enumerate(zip(kinds, consts)):
-                if k == "tensor":
-                    leaves.append(next(ts))
-                elif k == "sym_int":
-                    leaves.append(next(ss))
-                elif isinstance(c, torch.nn.Module):
-                    name = f"fxfuse_{original.name}_{i}"  # Dynamo's node names: unique, stable across runs
-                    gm.add_submodule(name, c)
-                    leaves.append(graph.get_attr(name))
-                else:
-                    leaves.append(c)
-            args, kwargs = pytree.tree_unflatten(leaves, spec)
+            op, args, kwargs = _rebuild(key, tensors, sym_ints, subgraph)
             call = graph.call_function(op, tuple(args), kwargs)
         call.meta.update({k: v for k, v in original.meta.items() if k != "val"})
         vals = n.meta.get("val")
