@@ -3,8 +3,11 @@
     python bench/bench_swiglu.py [--shapes 16384x14336 8192x8192] [--act silu] [--chunked]
     python bench/bench_swiglu.py --act clamped_swiglu --shapes 65536x2880   # gpt-oss experts
 
---act clamped_swiglu is gpt-oss's activation (fxfuse::clamped_swiglu, alpha 1.702, limit 7) on its
-layout, gate and up interleaved in one [M, 2I] tensor (gate_up[..., ::2], gate_up[..., 1::2]).
+--act clamped_swiglu is gpt-oss's activation (alpha 1.702, limit 7) on its layout, gate and up
+interleaved in one [M, 2I] tensor (gate_up[..., ::2], gate_up[..., 1::2]); --chunked takes gate and
+up as the halves of one [M, 2I] tensor (Phi-3). In both packed layouts the gradient is that of the
+[M, 2I] tensor, and fxfuse runs the op its backend emits there (fxfuse::swiglu_packed /
+clamped_swiglu_packed: d gate_up written by the kernel, no scatter of dg and du into it).
 
 Each case times ``out = act(g) * u`` and its backward (``torch.autograd.grad``, so no gradient
 accumulation traffic) and reports GB/s from ``swiglu_bytes`` against the measured copy ceiling.
@@ -59,61 +62,73 @@ def _liger_fn(act: str):
     return None, f"liger has no {act} gated op"
 
 
-def _provider_fn(provider: str, act: str):
-    """(fn(g, u) -> out, note); fn is None when the provider cannot run."""
-    if provider == "eager":
-        return (lambda g, u: eager_swiglu(g, u, act)), ""
-    if provider == "inductor":
-        compiled = torch.compile(eager_swiglu)
-        return (lambda g, u: compiled(g, u, act)), ""
-    if provider == "liger":
-        return _liger_fn(act)
-    if provider == "fxfuse" and act == "clamped_swiglu":
-        import fxfuse.kernels.clamped_swiglu  # noqa: F401  (registers torch.ops.fxfuse.clamped_swiglu)
+def _halves(gate_up: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if layout == "interleaved":  # gpt-oss: gate_up[..., ::2], gate_up[..., 1::2]
+        return gate_up[..., ::2], gate_up[..., 1::2]
+    return gate_up.chunk(2, dim=-1)  # Phi-3's gate_up_proj
 
-        return (lambda g, u: torch.ops.fxfuse.clamped_swiglu(g, u, GPT_OSS_ALPHA, GPT_OSS_LIMIT)), ""
+
+def _fxfuse_fn(act: str, layout: str):
+    """What the fxfuse backend emits: the packed op when gate and up are halves of one tensor."""
+    import fxfuse.kernels.swiglu_packed  # noqa: F401  (registers the fxfuse swiglu ops)
+
+    ops = torch.ops.fxfuse
+    if layout == "separate":
+        return lambda g, u: ops.swiglu(g, u, act)
+    interleaved = layout == "interleaved"
+    if act == "clamped_swiglu":
+        return lambda gu: ops.clamped_swiglu_packed(gu, GPT_OSS_ALPHA, GPT_OSS_LIMIT, interleaved, False)
+    return lambda gu: ops.swiglu_packed(gu, act, interleaved, False)
+
+
+def _provider_fn(provider: str, act: str, layout: str):
+    """(fn(*leaves) -> out, note); fn is None when the provider cannot run. leaves: (g, u), or
+    (gate_up,) for a packed layout."""
     if provider == "fxfuse":
-        import fxfuse.kernels.swiglu  # noqa: F401  (registers torch.ops.fxfuse.swiglu)
-
-        return (lambda g, u: torch.ops.fxfuse.swiglu(g, u, act)), ""
-    raise ValueError(provider)
+        return _fxfuse_fn(act, layout), ""
+    if provider == "liger":
+        fn, note = _liger_fn(act)
+    elif provider == "inductor":
+        fn, note = torch.compile(lambda g, u: eager_swiglu(g, u, act)), ""
+    elif provider == "eager":
+        fn, note = (lambda g, u: eager_swiglu(g, u, act)), ""
+    else:
+        raise ValueError(provider)
+    if fn is None or layout == "separate":
+        return fn, note
+    if provider == "inductor":  # the split inside the compiled function, as in a compiled model
+        return torch.compile(lambda gu: eager_swiglu(*_halves(gu, layout), act)), note
+    return (lambda gu: fn(*_halves(gu, layout))), note
 
 
 def _inputs(m: int, i: int, dtype: torch.dtype, layout: str, seed: int = 0):
-    """gate, up: [m, i] leaf tensors, or views of one [m, 2i] leaf (layout "chunked": its halves;
-    "interleaved": its even and odd columns), and dout: [m, i]."""
+    """(leaves, dout): leaves are gate, up [m, i], or one gate_up [m, 2i] for a packed layout
+    ("chunked": gate and up its halves; "interleaved": its even and odd columns); dout: [m, i]."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    if layout == "interleaved":  # x4: some values past gpt-oss's clamp at 7
-        gate_up = (torch.randn(m, 2 * i, device="cuda", generator=gen) * 4).to(dtype).requires_grad_()
-        g, u = gate_up[..., ::2], gate_up[..., 1::2]
-        leaves = (gate_up,)
-    elif layout == "chunked":
-        gate_up = torch.randn(m, 2 * i, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-        g, u = gate_up.chunk(2, dim=-1)
-        leaves = (gate_up,)
+    scale = 4 if layout == "interleaved" else 1  # x4: some values past gpt-oss's clamp at 7
+    if layout == "separate":
+        leaves = tuple(torch.randn(m, i, device="cuda", dtype=dtype, generator=gen).requires_grad_() for _ in "gu")
     else:
-        g = torch.randn(m, i, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-        u = torch.randn(m, i, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-        leaves = (g, u)
+        leaves = ((torch.randn(m, 2 * i, device="cuda", generator=gen) * scale).to(dtype).requires_grad_(),)
     dout = torch.randn(m, i, device="cuda", dtype=dtype, generator=gen)
-    return g, u, dout, leaves
+    return leaves, dout
 
 
-def _fwd_bwd(fn, g, u, dout):
-    """out, dg, du of one fwd+bwd; grads w.r.t. the (possibly non-leaf) views g and u."""
-    out = fn(g, u)
-    dg, du = torch.autograd.grad(out, (g, u), dout)
-    return out, dg, du
+def _fwd_bwd(fn, leaves, dout):
+    """(out, *grads of the leaves) of one fwd+bwd."""
+    out = fn(*leaves)
+    return (out, *torch.autograd.grad(out, leaves, dout))
 
 
 def _max_err(fn, m: int, i: int, dtype: torch.dtype, act: str, layout: str) -> float:
-    """Max abs error of out, dg, du vs an fp32 reference on the same inputs (fresh copies: Liger's
-    backward overwrites its saved inputs in place)."""
-    g, u, dout, _ = _inputs(m, i, dtype, layout, seed=1)
-    g32 = g.detach().float().requires_grad_()
-    u32 = u.detach().float().requires_grad_()
-    ref = _fwd_bwd(lambda a, b: eager_swiglu(a, b, act), g32, u32, dout.float())
-    got = _fwd_bwd(fn, g, u, dout)
+    """Max abs error of out and the gradients vs an fp32 reference on the same inputs (fresh copies:
+    Liger's backward overwrites its saved inputs in place)."""
+    leaves, dout = _inputs(m, i, dtype, layout, seed=1)
+    wide = tuple(t.detach().float().requires_grad_() for t in leaves)
+    ref_fn = (lambda g, u: eager_swiglu(g, u, act)) if layout == "separate" else (
+        lambda gu: eager_swiglu(*_halves(gu, layout), act))
+    ref = _fwd_bwd(ref_fn, wide, dout.float())
+    got = _fwd_bwd(fn, leaves, dout)
     return max((x.float() - r).abs().max().item() for x, r in zip(got, ref))
 
 
@@ -128,17 +143,17 @@ def run(args) -> list[Row]:
         case = f"swiglu-{args.act} {m}x{i} {args.dtype}{'' if layout == 'separate' else ' ' + layout}"
         nbytes = swiglu_bytes(m, i, torch.empty((), dtype=dtype).element_size())
         for provider in args.providers:
-            fn, note = _provider_fn(provider, args.act)
+            fn, note = _provider_fn(provider, args.act, layout)
             if fn is None:
                 rows.append(Row(case, provider, None, note=note))
                 continue
-            g, u, dout, _ = _inputs(m, i, dtype, layout)
-            step = lambda: _fwd_bwd(fn, g, u, dout)  # noqa: E731
+            leaves, dout = _inputs(m, i, dtype, layout)
+            step = lambda: _fwd_bwd(fn, leaves, dout)  # noqa: E731
             err = _max_err(fn, m, i, dtype, args.act, layout)
             ms = bench_ms(graphed(step) if args.cuda_graph else step)
             gbps = nbytes / ms / 1e6
             rows.append(Row(case, provider, ms, gbps, 100 * gbps / ceiling, peak_extra_mib(step), err, note))
-            del g, u, dout
+            del leaves, dout
             torch.cuda.empty_cache()
     print_table(rows)
     return rows

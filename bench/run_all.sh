@@ -31,7 +31,9 @@ run() { local name=$1; shift; echo "== $name $*"; timeout "${BENCH_TIMEOUT:-240}
 sel=("$@")
 has() { [ ${#sel[@]} -eq 0 ] || [[ " ${sel[*]} " == *" $1 "* ]]; }
 has rms_norm && run rms_norm --cuda-graph
-has swiglu && run swiglu && run swiglu --cuda-graph && run swiglu --act clamped_swiglu --shapes 65536x2880 16384x2880
+has swiglu && run swiglu && run swiglu --cuda-graph && run swiglu --chunked --shapes 16384x8192 --cuda-graph \
+  && run swiglu --act clamped_swiglu --shapes 65536x2880 16384x2880 \
+  && run swiglu --act clamped_swiglu --shapes 65536x2880 16384x2880 --cuda-graph
 has rope && run rope && run rope --cuda-graph
 has linear_cross_entropy && run linear_cross_entropy
 for script in tune_rms_norm probe_rms_norm; do  # sweeps and probes, only when named

@@ -2,7 +2,8 @@
 
 Shapes: gate, up: [..., I] (same shape and dtype), viewed as [M, I] rows with any row and column
 strides, so gpt-oss's interleaved ``gate_up[..., ::2]`` / ``gate_up[..., 1::2]`` are read in place;
-out: contiguous [..., I].
+out: contiguous [..., I]. The backward kernel writes dgate and dup with one pair of strides: new
+contiguous tensors here, d gate_up's columns in fxfuse::clamped_swiglu_packed (swiglu_packed.py).
 
 Forward (HF GptOssExperts._apply_gate; fp32 math, L = limit, a = alpha):
     g' = clamp(g, max=L)          u' = clamp(u, -L, L)
@@ -32,7 +33,8 @@ from triton.language.extra import libdevice
 
 from ._dispatch import register_autograd
 from ._round import round_code, round_ref, round_to
-from .swiglu import _ACT_ID, _launch_config, _on_triton, _rne_by_bits, _round
+from ._gated import copy_outputs, launch_config, load_pair, out_pair, pair, rows, store_pair
+from .swiglu import _ACT_ID, _max_tile, _on_triton, _rne_by_bits
 
 
 @triton.jit
@@ -63,8 +65,8 @@ def _forward_terms(g, u, alpha, limit, ROUND: tl.constexpr, RNE_BY_BITS: tl.cons
 
 @triton.jit
 def _clamped_swiglu_fwd_kernel(
-    gate_ptr,  # [M, I], strides (stride_gm, stride_gn)
-    up_ptr,  # [M, I], strides (stride_um, stride_un)
+    gate_ptr,  # [M, I], strides (stride_gm, stride_gn); paired: gate_up [M, 2I] (_gated.py)
+    up_ptr,  # [M, I], strides (stride_um, stride_un); paired: unused
     out_ptr,  # [M, I] contiguous
     M,
     I,
@@ -74,6 +76,7 @@ def _clamped_swiglu_fwd_kernel(
     stride_un,
     alpha,  # fp32 scalar
     limit,  # fp32 scalar
+    PAIR: tl.constexpr,  # gate / up layout, _gated.py
     ROUND: tl.constexpr,  # round_code of the dtype, 0 for one rounding at the store
     RNE_BY_BITS: tl.constexpr,
     LIBDEVICE: tl.constexpr,  # CUDA: libdevice's expf (see _sigmoid)
@@ -81,22 +84,20 @@ def _clamped_swiglu_fwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < I)[None, :]
-    r64, c64 = rows.to(tl.int64)[:, None], cols.to(tl.int64)[None, :]  # M * row stride can pass 2**31
-    g = tl.load(gate_ptr + r64 * stride_gm + c64 * stride_gn, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + r64 * stride_um + c64 * stride_un, mask=mask, other=0.0).to(tl.float32)
+    pid_n = tl.program_id(1)
+    g, u = load_pair(gate_ptr, up_ptr, rows, pid_n, M, I, stride_gm, stride_gn, stride_um, stride_un,
+                     PAIR, True, BLOCK_M, BLOCK_N)
     _, _, glu, p = _forward_terms(g, u, alpha, limit, ROUND, RNE_BY_BITS, LIBDEVICE)
-    tl.store(out_ptr + r64 * I + c64, _round(p * glu, out_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
+    store_pair(out_ptr, out_ptr, p * glu, p, rows, pid_n, M, I, I, 1, 0, True, False, RNE_BY_BITS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _clamped_swiglu_bwd_kernel(
     dout_ptr,  # [M, I], strides (stride_dm, stride_dn)
-    gate_ptr,  # [M, I], strides (stride_gm, stride_gn)
-    up_ptr,  # [M, I], strides (stride_um, stride_un)
-    dgate_ptr,  # [M, I] contiguous (unwritten unless NEED_DGATE)
-    dup_ptr,  # [M, I] contiguous (unwritten unless NEED_DUP)
+    gate_ptr,  # [M, I], strides (stride_gm, stride_gn); paired: gate_up [M, 2I]
+    up_ptr,  # [M, I], strides (stride_um, stride_un); paired: unused
+    dgate_ptr,  # [M, I], strides (stride_om, stride_on) (unwritten unless NEED_DGATE); paired: d gate_up
+    dup_ptr,  # [M, I], strides (stride_om, stride_on) (unwritten unless NEED_DUP); paired: unused
     M,
     I,
     stride_dm,
@@ -105,8 +106,12 @@ def _clamped_swiglu_bwd_kernel(
     stride_gn,
     stride_um,
     stride_un,
+    stride_om,  # I for separate outputs; 2I for the halves of d gate_up
+    stride_on,
     alpha,
     limit,
+    PAIR: tl.constexpr,  # gate / up layout, _gated.py
+    OUT_PAIR: tl.constexpr,  # dgate / dup layout (paired: both needed)
     NEED_DGATE: tl.constexpr,
     NEED_DUP: tl.constexpr,
     ROUND: tl.constexpr,
@@ -117,17 +122,16 @@ def _clamped_swiglu_bwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < I)[None, :]
     r64, c64 = rows.to(tl.int64)[:, None], cols.to(tl.int64)[None, :]
     dout = tl.load(dout_ptr + r64 * stride_dm + c64 * stride_dn, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(gate_ptr + r64 * stride_gm + c64 * stride_gn, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + r64 * stride_um + c64 * stride_un, mask=mask, other=0.0).to(tl.float32)
+    g, u = load_pair(gate_ptr, up_ptr, rows, pid_n, M, I, stride_gm, stride_gn, stride_um, stride_un,
+                     PAIR, True, BLOCK_M, BLOCK_N)
     gc, s, glu, p = _forward_terms(g, u, alpha, limit, ROUND, RNE_BY_BITS, LIBDEVICE)
-    if NEED_DUP:
-        dp = round_to(dout * glu, ROUND, RNE_BY_BITS)
-        du = tl.where((u >= -limit) & (u <= limit), dp, 0.0)
-        tl.store(dup_ptr + r64 * I + c64, _round(du, dup_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
+    du = tl.where((u >= -limit) & (u <= limit), round_to(dout * glu, ROUND, RNE_BY_BITS), 0.0)
+    dg = du
     if NEED_DGATE:
         dglu = round_to(dout * p, ROUND, RNE_BY_BITS)
         d_direct = round_to(dglu * s, ROUND, RNE_BY_BITS)
@@ -139,15 +143,8 @@ def _clamped_swiglu_bwd_kernel(
             dz = round_to(ds * (1.0 - s) * s, ROUND, RNE_BY_BITS)
         d_sig = round_to(dz * alpha, ROUND, RNE_BY_BITS)
         dg = tl.where(g <= limit, d_direct + d_sig, 0.0)
-        tl.store(dgate_ptr + r64 * I + c64, _round(dg, dgate_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., I] -> an [M, I] view (any strides); copies only if the leading dims do not merge."""
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return t.reshape(-1, t.shape[-1]).contiguous()
+    store_pair(dgate_ptr, dup_ptr, dg, du, rows, pid_n, M, I, stride_om, stride_on, OUT_PAIR, NEED_DGATE, NEED_DUP,
+               RNE_BY_BITS, BLOCK_M, BLOCK_N)
 
 
 def _sigmoid_bwd_steps(t: torch.Tensor) -> bool:
@@ -166,7 +163,7 @@ def _check_args(gate: torch.Tensor, up: torch.Tensor, limit: float) -> None:
 
 
 # Tile sizing as SwiGLU's silu (same ALU weight: one sigmoid per element).
-_SIZING = _ACT_ID["silu"]
+_MAX_TILE = _max_tile(_ACT_ID["silu"])
 
 _lib = torch.library.Library("fxfuse", "FRAGMENT")
 _lib.define("clamped_swiglu(Tensor gate, Tensor up, float alpha, float limit, bool round_act=False) -> Tensor")
@@ -185,15 +182,41 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
-    g2, u2 = _rows(gate), _rows(up)
+    g2, u2 = rows(gate), rows(up)
+    ins, pair_code = pair(g2, u2)
     m, n = g2.shape
-    grid, bm, bn, num_warps = _launch_config(m, n, _SIZING)
+    grid, bm, bn, num_warps = launch_config(m, n, _MAX_TILE)
     _clamped_swiglu_fwd_kernel[grid](
-        g2, u2, out, m, n, *g2.stride(), *u2.stride(), alpha, limit,
+        *ins[:2], out, m, n, *ins[2:], alpha, limit, PAIR=pair_code,
         ROUND=round_code(gate.dtype, round_act), RNE_BY_BITS=_rne_by_bits(out), LIBDEVICE=gate.is_cuda,
         BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
     )
     return out
+
+
+def clamped_swiglu_backward_into(
+    grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float,
+    dgate: torch.Tensor, dup: torch.Tensor, need_dgate: bool, need_dup: bool, round_act: bool = False,
+) -> None:
+    """Writes dgate and/or dup ([..., I] with one set of strides, see _gated.out_pair); one not
+    needed is left unwritten and may be any tensor."""
+    _check_args(gate, up, limit)
+    if gate.numel() == 0 or not (need_dgate or need_dup):
+        return
+    if not _on_triton(gate):
+        ref = _clamped_swiglu_backward_reference(grad_out, gate, up, alpha, limit, need_dgate, need_dup, round_act)
+        return copy_outputs((dgate, dup), ref, (need_dgate, need_dup))
+    outs, out_code = out_pair(dgate, dup, need_dgate, need_dup)
+    ins, pair_code = pair(rows(gate), rows(up))
+    d2 = rows(grad_out)
+    m, n = d2.shape
+    grid, bm, bn, num_warps = launch_config(m, n, _MAX_TILE)
+    _clamped_swiglu_bwd_kernel[grid](
+        d2, *ins[:2], *outs[:2], m, n, *d2.stride(), *ins[2:], *outs[2:], alpha, limit,
+        PAIR=pair_code, OUT_PAIR=out_code, NEED_DGATE=need_dgate, NEED_DUP=need_dup,
+        ROUND=round_code(gate.dtype, round_act), RNE_BY_BITS=_rne_by_bits(gate), LIBDEVICE=gate.is_cuda,
+        SIG_STEPS=_sigmoid_bwd_steps(gate), BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
+    )
 
 
 def clamped_swiglu_backward(
@@ -206,17 +229,7 @@ def clamped_swiglu_backward(
         return _clamped_swiglu_backward_reference(grad_out, gate, up, alpha, limit, need_dgate, need_dup, round_act)
     dgate = torch.empty(gate.shape if need_dgate else (0,), dtype=gate.dtype, device=gate.device)
     dup = torch.empty(gate.shape if need_dup else (0,), dtype=gate.dtype, device=gate.device)
-    if gate.numel() == 0 or not (need_dgate or need_dup):
-        return dgate, dup
-    d2, g2, u2 = _rows(grad_out), _rows(gate), _rows(up)
-    m, n = g2.shape
-    grid, bm, bn, num_warps = _launch_config(m, n, _SIZING)
-    _clamped_swiglu_bwd_kernel[grid](
-        d2, g2, u2, dgate, dup, m, n, *d2.stride(), *g2.stride(), *u2.stride(), alpha, limit,
-        NEED_DGATE=need_dgate, NEED_DUP=need_dup, ROUND=round_code(gate.dtype, round_act),
-        RNE_BY_BITS=_rne_by_bits(gate), LIBDEVICE=gate.is_cuda, SIG_STEPS=_sigmoid_bwd_steps(gate),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
-    )
+    clamped_swiglu_backward_into(grad_out, gate, up, alpha, limit, dgate, dup, need_dgate, need_dup, round_act)
     return dgate, dup
 
 

@@ -24,19 +24,20 @@ Activations and derivatives:
     relu2:      act = max(g, 0)^2 (BitNet),                act' = 2 * max(g, 0)
                 (as torch.relu and its threshold_backward: a NaN gate gives act NaN, act' 1)
 
-Layout: each input is read as rows with its own row stride and a contiguous last dim (so the
-halves of ``gate_up.chunk(2, dim=-1)`` are read in place); any other layout is copied first.
-Outputs and gradients are new contiguous tensors.
+Layout (_gated.py): inputs are read as [M, I] rows with any row and column strides (the halves of
+``gate_up.chunk(2, dim=-1)`` are read in place), and gate / up interleaving one tensor's columns
+(``gate_up[..., ::2]``, ``[..., 1::2]``) as one contiguous tile; the output is contiguous. The
+backward kernel writes dgate and dup with one pair of strides, or as one interleaved tile: new
+contiguous tensors here, the columns of one d gate_up in fxfuse::swiglu_packed (swiglu_packed.py).
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from ._dispatch import register_autograd, use_triton
+from ._gated import copy_outputs, launch_config, load_pair, out_pair, pair, rows, store_pair
 from ._round import rne_by_bits, round_code, round_ref, round_to
 
 ACTS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
@@ -84,25 +85,17 @@ def _act_and_grad(g, ACT: tl.constexpr, NEED_GRAD: tl.constexpr):
 
 
 @triton.jit
-def _round(x, DTYPE: tl.constexpr, RNE_BY_BITS: tl.constexpr):
-    """fp32 -> DTYPE, round to nearest even. The interpreter truncates fp32 -> bf16 (the GPU rounds),
-    so under it bf16 is rounded by hand on the bits (NaN kept quiet) to test the GPU's numerics."""
-    if RNE_BY_BITS:
-        bits = x.to(tl.uint32, bitcast=True)
-        rne = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        return tl.where(x != x, (bits >> 16) | 0x40, rne).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(DTYPE)
-
-
-@triton.jit
 def _swiglu_fwd_kernel(
-    gate_ptr,  # [M, I], row stride stride_g, last-dim stride 1
-    up_ptr,  # [M, I], row stride stride_u, last-dim stride 1
+    gate_ptr,  # [M, I], strides (stride_gm, stride_gn); paired: gate_up [M, 2I] (_gated.py)
+    up_ptr,  # [M, I], strides (stride_um, stride_un); paired: unused
     out_ptr,  # [M, I] contiguous (row stride I)
     M,
     I,
-    stride_g,
-    stride_u,
+    stride_gm,
+    stride_gn,
+    stride_um,
+    stride_un,
+    PAIR: tl.constexpr,  # gate / up layout, _gated.py
     ACT: tl.constexpr,
     ROUND_ACT: tl.constexpr,  # round act(g) to the dtype before the product (eager's F.silu(g) * u)
     RNE_BY_BITS: tl.constexpr,
@@ -110,28 +103,33 @@ def _swiglu_fwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < I)[None, :]
-    r64 = rows.to(tl.int64)[:, None]  # M * row stride can pass 2**31 elements
-    g = tl.load(gate_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    pid_n = tl.program_id(1)
+    g, u = load_pair(gate_ptr, up_ptr, rows, pid_n, M, I, stride_gm, stride_gn, stride_um, stride_un,
+                     PAIR, True, BLOCK_M, BLOCK_N)
     a, _ = _act_and_grad(g, ACT, False)
     a = round_to(a, ROUND_ACT, RNE_BY_BITS)
-    tl.store(out_ptr + r64 * I + cols[None, :], _round(a * u, out_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
+    store_pair(out_ptr, out_ptr, a * u, a, rows, pid_n, M, I, I, 1, 0, True, False, RNE_BY_BITS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(
-    dout_ptr,  # [M, I], row stride stride_d, last-dim stride 1
-    gate_ptr,  # [M, I], row stride stride_g, last-dim stride 1
-    up_ptr,  # [M, I], row stride stride_u, last-dim stride 1 (unread unless NEED_DGATE)
-    dgate_ptr,  # [M, I] contiguous (unwritten unless NEED_DGATE)
-    dup_ptr,  # [M, I] contiguous (unwritten unless NEED_DUP)
+    dout_ptr,  # [M, I], strides (stride_dm, stride_dn)
+    gate_ptr,  # [M, I], strides (stride_gm, stride_gn); paired: gate_up [M, 2I]
+    up_ptr,  # [M, I], strides (stride_um, stride_un) (unread unless NEED_DGATE); paired: unused
+    dgate_ptr,  # [M, I], strides (stride_om, stride_on) (unwritten unless NEED_DGATE); paired: d gate_up
+    dup_ptr,  # [M, I], strides (stride_om, stride_on) (unwritten unless NEED_DUP); paired: unused
     M,
     I,
-    stride_d,
-    stride_g,
-    stride_u,
+    stride_dm,
+    stride_dn,
+    stride_gm,
+    stride_gn,
+    stride_um,
+    stride_un,
+    stride_om,  # I for separate outputs; 2I for the halves of d gate_up
+    stride_on,
+    PAIR: tl.constexpr,  # gate / up layout, _gated.py
+    OUT_PAIR: tl.constexpr,  # dgate / dup layout (paired: both needed)
     ACT: tl.constexpr,
     NEED_DGATE: tl.constexpr,
     NEED_DUP: tl.constexpr,
@@ -141,19 +139,18 @@ def _swiglu_bwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < I)[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    dout = tl.load(dout_ptr + r64 * stride_d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(gate_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    r64, c64 = rows.to(tl.int64)[:, None], cols.to(tl.int64)[None, :]
+    dout = tl.load(dout_ptr + r64 * stride_dm + c64 * stride_dn, mask=mask, other=0.0).to(tl.float32)
+    g, u = load_pair(gate_ptr, up_ptr, rows, pid_n, M, I, stride_gm, stride_gn, stride_um, stride_un,
+                     PAIR, NEED_DGATE, BLOCK_M, BLOCK_N)
     a, da = _act_and_grad(g, ACT, NEED_DGATE)
-    if NEED_DGATE:
-        u = tl.load(up_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dg = round_to(dout * u, ROUND_ACT, RNE_BY_BITS) * da
-        tl.store(dgate_ptr + r64 * I + cols[None, :], _round(dg, dgate_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
-    if NEED_DUP:
-        a = round_to(a, ROUND_ACT, RNE_BY_BITS)
-        tl.store(dup_ptr + r64 * I + cols[None, :], _round(dout * a, dup_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
+    dg = round_to(dout * u, ROUND_ACT, RNE_BY_BITS) * da  # 0 unless NEED_DGATE (da, u)
+    du = dout * round_to(a, ROUND_ACT, RNE_BY_BITS)
+    store_pair(dgate_ptr, dup_ptr, dg, du, rows, pid_n, M, I, stride_om, stride_on, OUT_PAIR, NEED_DGATE, NEED_DUP,
+               RNE_BY_BITS, BLOCK_M, BLOCK_N)
 
 
 def _max_tile(act_id: int) -> int:
@@ -162,27 +159,8 @@ def _max_tile(act_id: int) -> int:
     return 2048 if act_id == _ACT_ID["gelu"] else 8192
 
 
-def _block_n(n_cols: int, max_tile: int) -> int:
-    # Whole rows up to max_tile columns, halved while the ragged last column block would pad the
-    # row by > 15% (I=11008 -> 4096); >= 1024 keeps 16-byte vectors on every thread.
-    bn = min(triton.next_power_of_2(n_cols), max_tile)
-    while bn > 1024 and triton.cdiv(n_cols, bn) * bn > 1.15 * n_cols:
-        bn //= 2
-    return bn
-
-
-def _block_m(block_n: int, max_tile: int) -> int:
-    # Short rows are batched into tiles of min(max_tile, 4096) elements (>= 4 KiB per tensor).
-    return max(1, min(max_tile, 4096) // block_n)
-
-
-def _num_warps(block_m: int, block_n: int) -> int:
-    # 16 elements (two 16-byte bf16 vectors) per thread per tensor: 2048 -> 4 warps, 8192 -> 16.
-    return max(1, min(16, block_m * block_n // 512))
-
-
 def _rne_by_bits(t: torch.Tensor) -> bool:
-    return t.dtype == torch.bfloat16 and rne_by_bits(t.device)  # _round's bit path is bf16 only
+    return t.dtype == torch.bfloat16 and rne_by_bits(t.device)  # round_store's bit path is bf16 only
 
 
 def _check_act(act: str) -> int:
@@ -195,31 +173,6 @@ def _check_args(gate: torch.Tensor, up: torch.Tensor, act: str) -> int:
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"fxfuse.swiglu: gate {gate.shape}/{gate.dtype} and up {up.shape}/{up.dtype} differ")
     return _check_act(act)
-
-
-def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """[..., I] -> ([M, I] view with last-dim stride 1, row stride); copies only if no such view exists."""
-    n = t.shape[-1]
-    if t.stride(-1) != 1 and n > 1:
-        t = t.contiguous()
-    try:
-        t2 = t.view(-1, n)
-    except RuntimeError:
-        t2 = t.contiguous().view(-1, n)
-    return t2, t2.stride(0)
-
-
-def _launch_grid(m: int, n: int, block_m: int, block_n: int) -> tuple[int, int]:
-    # Rows on grid axis 0 (up to 2**31 - 1 programs); column blocks on axis 1 (<= 65535).
-    return (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-
-
-@functools.lru_cache(maxsize=1024)
-def _launch_config(m: int, n: int, act_id: int) -> tuple[tuple[int, int], int, int, int]:
-    """(grid, BLOCK_M, BLOCK_N, num_warps) for [m, n] rows (cached: sizing costs host time per call)."""
-    bn = _block_n(n, _max_tile(act_id))
-    bm = _block_m(bn, _max_tile(act_id))
-    return _launch_grid(m, n, bm, bn), bm, bn, _num_warps(bm, bn)
 
 
 def _on_triton(t: torch.Tensor) -> bool:
@@ -243,16 +196,41 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = Fal
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
-    g2, sg = _rows(gate)
-    u2, su = _rows(up)
+    g2, u2 = rows(gate), rows(up)
+    ins, pair_code = pair(g2, u2)
     m, n = g2.shape
-    grid, bm, bn, num_warps = _launch_config(m, n, act_id)
+    grid, bm, bn, num_warps = launch_config(m, n, _max_tile(act_id))
     _swiglu_fwd_kernel[grid](
-        g2, u2, out, m, n, sg, su,
+        *ins[:2], out, m, n, *ins[2:], PAIR=pair_code,
         ACT=act_id, ROUND_ACT=round_code(gate.dtype, round_act), RNE_BY_BITS=_rne_by_bits(out),
         BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
     )
     return out
+
+
+def swiglu_backward_into(
+    grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str, dgate: torch.Tensor, dup: torch.Tensor,
+    need_dgate: bool, need_dup: bool, round_act: bool = False,
+) -> None:
+    """Writes dgate and/or dup ([..., I] with one set of strides, see _gated.out_pair); one not needed is
+    left unwritten and may be any tensor."""
+    act_id = _check_act(act)
+    if gate.numel() == 0 or not (need_dgate or need_dup):
+        return
+    if not _on_triton(gate):
+        ref = _swiglu_backward_reference(grad_out, gate, up, act, need_dgate, need_dup, round_act)
+        return copy_outputs((dgate, dup), ref, (need_dgate, need_dup))
+    outs, out_code = out_pair(dgate, dup, need_dgate, need_dup)
+    ins, pair_code = pair(rows(gate), rows(up))
+    d2 = rows(grad_out)
+    m, n = d2.shape
+    grid, bm, bn, num_warps = launch_config(m, n, _max_tile(act_id))
+    _swiglu_bwd_kernel[grid](
+        d2, *ins[:2], *outs[:2], m, n, *d2.stride(), *ins[2:], *outs[2:], PAIR=pair_code, OUT_PAIR=out_code,
+        ACT=act_id, NEED_DGATE=need_dgate, NEED_DUP=need_dup, ROUND_ACT=round_code(gate.dtype, round_act),
+        RNE_BY_BITS=_rne_by_bits(gate),
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
+    )
 
 
 def swiglu_backward(
@@ -260,24 +238,12 @@ def swiglu_backward(
     round_act: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dgate, dup), each [..., I] contiguous; a gradient not asked for comes back as an empty [0] tensor."""
-    act_id = _check_act(act)
     if not _on_triton(gate):
+        _check_act(act)
         return _swiglu_backward_reference(grad_out, gate, up, act, need_dgate, need_dup, round_act)
     dgate = torch.empty(gate.shape if need_dgate else (0,), dtype=gate.dtype, device=gate.device)
     dup = torch.empty(gate.shape if need_dup else (0,), dtype=gate.dtype, device=gate.device)
-    if gate.numel() == 0 or not (need_dgate or need_dup):
-        return dgate, dup
-    d2, sd = _rows(grad_out)
-    g2, sg = _rows(gate)
-    u2, su = _rows(up)
-    m, n = g2.shape
-    grid, bm, bn, num_warps = _launch_config(m, n, act_id)
-    _swiglu_bwd_kernel[grid](
-        d2, g2, u2, dgate, dup, m, n, sd, sg, su,
-        ACT=act_id, NEED_DGATE=need_dgate, NEED_DUP=need_dup, ROUND_ACT=round_code(gate.dtype, round_act),
-        RNE_BY_BITS=_rne_by_bits(gate),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
-    )
+    swiglu_backward_into(grad_out, gate, up, act, dgate, dup, need_dgate, need_dup, round_act)
     return dgate, dup
 
 

@@ -8,6 +8,8 @@ One site is one gated-MLP activation.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -88,17 +90,90 @@ def _check_clamped(scalars: dict) -> str | None:
 
 
 def lower(m, graph: fx.Graph, opts) -> fx.Node:
+    gate, up = m.inputs["gate"], m.inputs["up"]
+    packed = packed_source(gate, up)
     if "limit" in m.scalars:
         import fxfuse.kernels.clamped_swiglu  # noqa: F401  registers torch.ops.fxfuse.clamped_swiglu
+        import fxfuse.kernels.swiglu_packed  # noqa: F401
 
-        s = m.scalars
-        return graph.call_function(torch.ops.fxfuse.clamped_swiglu.default,
-                                   (m.inputs["gate"], m.inputs["up"], float(s["alpha"]), float(s["limit"]),
-                                    opts.eager_rounding))
+        clamp = (float(m.scalars["alpha"]), float(m.scalars["limit"]))
+        if packed:
+            return graph.call_function(torch.ops.fxfuse.clamped_swiglu_packed.default,
+                                       (packed[0], *clamp, *packed[1:], opts.eager_rounding))
+        return graph.call_function(torch.ops.fxfuse.clamped_swiglu.default, (gate, up, *clamp, opts.eager_rounding))
     import fxfuse.kernels.swiglu  # noqa: F401  registers torch.ops.fxfuse.swiglu
+    import fxfuse.kernels.swiglu_packed  # noqa: F401
 
-    return graph.call_function(torch.ops.fxfuse.swiglu.default,
-                               (m.inputs["gate"], m.inputs["up"], m.consts["act"], opts.eager_rounding))
+    if packed:
+        return graph.call_function(torch.ops.fxfuse.swiglu_packed.default,
+                                   (packed[0], m.consts["act"], *packed[1:], opts.eager_rounding))
+    return graph.call_function(torch.ops.fxfuse.swiglu.default, (gate, up, m.consts["act"], opts.eager_rounding))
+
+
+def packed_source(gate: fx.Node, up: fx.Node) -> tuple[fx.Node, bool, bool] | None:
+    """(gate_up, interleaved, up_first) when gate and up are the two halves of one tensor's last dim,
+    as fxfuse::swiglu_packed takes them: ``chunk(2, -1)`` / a two-way ``split`` (getitem 0 and 1),
+    ``[..., :I]`` / ``[..., I:]``, or ``[..., ::2]`` / ``[..., 1::2]``; else None. The pattern's
+    check has already asked for equal shapes, so two such halves cover gate_up exactly."""
+    halves = [_half_of(n) for n in (gate, up)]
+    if None in halves or halves[0][0] is not halves[1][0] or halves[0][1] != halves[1][1]:
+        return None
+    (src, interleaved, first), (_, _, second) = halves
+    if {first, second} != {0, 1}:
+        return None
+    return src, interleaved, first == 1
+
+
+def _half_of(n: fx.Node) -> tuple[fx.Node, bool, int] | None:
+    """(gate_up, interleaved, which half 0/1) when n is one half of gate_up's last dim, else None."""
+    aten = torch.ops.aten
+    if n.target is operator.getitem:
+        parent, index = n.args
+        if not (isinstance(parent, fx.Node) and parent.target in (aten.chunk.default, aten.split.Tensor,
+                                                                  aten.split_with_sizes.default)):
+            return None
+        parts, src = parent.meta.get("val"), parent.args[0]
+        dim = parent.args[2] if len(parent.args) > 2 else parent.kwargs.get("dim", 0)
+        if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and _is_last_dim(src, dim)):
+            return None
+        return src, False, index
+    if n.target != aten.slice.Tensor:
+        return None
+    src, dim, start, end, step = (list(n.args) + [0, None, None, 1][len(n.args) - 1:])[:5]
+    start = 0 if start is None else start
+    size, width = _last_size(src), _last_size(n)
+    if not (_is_last_dim(src, dim) and all(isinstance(v, int) for v in (start, step, size, width))):
+        return None
+    if end is None or (isinstance(end, int) and end >= size):  # to the end of the dim
+        if step == 2 and start in (0, 1):
+            return src, True, start
+        if step == 1 and start == width and 2 * width == size:
+            return src, False, 1
+    if step == 1 and start == 0 and end == width and 2 * width == size:
+        return src, False, 0
+    return None
+
+
+def _last_size(n) -> int | None:
+    v = val(n)
+    return v.shape[-1] if isinstance(n, fx.Node) and v is not None and v.dim() > 0 else None
+
+
+def _is_last_dim(src, dim) -> bool:
+    v = val(src) if isinstance(src, fx.Node) else None
+    return v is not None and isinstance(dim, int) and dim in (-1, v.dim() - 1)
+
+
+def _unscattered_grads(m) -> list:
+    """With gate and up packed in one tensor, the packed op's backward writes d gate_up itself: the
+    separate dgate and dup that autograd scattered into it are not written."""
+    if packed_source(m.inputs["gate"], m.inputs["up"]) is None:
+        return []
+    from fxfuse.rewrite import bytes_of, example_shape
+
+    g = val(m.inputs["gate"])
+    desc = f"{str(g.dtype).removeprefix('torch.')}{example_shape(g)}"
+    return [(f"grad of {k} (backward, before its scatter into gate_up's):{desc}", bytes_of(g)) for k in ("gate", "up")]
 
 
 def _is_candidate(n: fx.Node) -> bool:
@@ -158,6 +233,7 @@ PATTERN = Pattern(
     check=check,
     lower=lower,
     recompute=True,
+    hidden_saved=_unscattered_grads,
     is_candidate=_is_candidate,
     miss_reason=_miss_reason,
 )

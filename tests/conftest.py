@@ -16,6 +16,7 @@ import fxfuse.kernels.linear_cross_entropy  # noqa: E402, F401
 import fxfuse.kernels.rms_norm  # noqa: E402, F401
 import fxfuse.kernels.rope  # noqa: E402, F401
 import fxfuse.kernels.swiglu  # noqa: E402, F401
+import fxfuse.kernels.swiglu_packed  # noqa: E402, F401
 
 # pytest-xdist (README's test command runs two processes): split the cores between the processes, so
 # torch's intra-op threads do not oversubscribe them (both runs of a parity check share the setting)

@@ -99,6 +99,42 @@ def test_clamped_swiglu_rounds_like_eager(dtype, shape):
         assert err(a) <= 2 * err(e) + 1e-6, (err(a), err(e))
 
 
+@pytest.mark.parametrize("act,interleaved", [("relu2", False), ("relu2", True), ("clamped", True), ("clamped", False)])
+@pytest.mark.parametrize("shape", [(1, 7), (333, 777), (4096, 2880)])
+def test_packed_ops_round_like_eager(act, interleaved, shape):
+    """fxfuse::swiglu_packed / clamped_swiglu_packed (d gate_up written by the kernel through
+    stride-2 or half-row columns): with round_act, out and d gate_up equal CUDA eager's on the same
+    halves bit for bit (relu2: each product a single op, as test_relu_gates_round_like_eager)."""
+    import fxfuse.kernels.swiglu_packed  # noqa: F401
+    from fxfuse.kernels.swiglu_packed import split_packed
+
+    alpha, limit = 1.702, 7.0
+
+    def eager(gu):
+        gate, up = split_packed(gu, interleaved, False)
+        if act == "relu2":
+            return torch.square(F.relu(gate)) * up
+        gate, up = gate.clamp(min=None, max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    def fused(gu):
+        if act == "relu2":
+            return torch.ops.fxfuse.swiglu_packed(gu, act, interleaved, False, True)
+        return torch.ops.fxfuse.clamped_swiglu_packed(gu, alpha, limit, interleaved, False, True)
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    m, i = shape
+    gu = (torch.randn(m, 2 * i, device="cuda", generator=g) * 7).bfloat16().requires_grad_()
+    dout = torch.randn(m, i, device="cuda", generator=g).bfloat16()
+
+    def run(fn):
+        out = fn(gu)
+        return out, torch.autograd.grad(out, gu, dout)[0]
+
+    for a, b in zip(run(fused), run(eager)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_rope_keeps_a_transposed_layout():
     """q = proj.view(B, T, H, D).transpose(1, 2), rotated: the output keeps q's strides (eager's
     elementwise rotation does) and its values equal the PyTorch reference's."""

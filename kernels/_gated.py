@@ -1,0 +1,187 @@
+"""Shared by the gated-MLP kernels (swiglu.py, clamped_swiglu.py): gate / up tile loads and
+gradient stores in either layout, rounding at the store, tile sizing, [M, I] row views.
+
+Layouts of a [M, I] gate / up pair (and of the dgate / dup pair a backward writes):
+    PAIR 0: two tensors, each with its own row and column strides (separate linears, the halves
+            of chunk(2, -1), a stride-2 view taken alone)
+    PAIR 1: one [M, 2I] tensor with contiguous columns, gate at the even columns and up at the odd
+            (gpt-oss's gate_up[..., ::2], [..., 1::2]); PAIR 2: up at the even columns.
+The paired layouts move one contiguous [BLOCK_M, 2 BLOCK_N] tile, split or joined in registers:
+two stride-2 accesses use half of every 32-byte sector each, and stride-2 stores of the two
+halves of one sector are two partial writes of it (H200, 65536x2880 bf16 fwd+bwd: 2.7 ms strided,
+against 1.3 ms for Inductor's fused kernels).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_store(x, DTYPE: tl.constexpr, RNE_BY_BITS: tl.constexpr):
+    """fp32 -> DTYPE, round to nearest even. The interpreter truncates fp32 -> bf16 (the GPU rounds),
+    so under it bf16 is rounded by hand on the bits (NaN kept quiet) to test the GPU's numerics."""
+    if RNE_BY_BITS:
+        bits = x.to(tl.uint32, bitcast=True)
+        rne = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return tl.where(x != x, (bits >> 16) | 0x40, rne).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def load_pair(
+    a_ptr,  # PAIR 0: [M, I], strides (stride_am, stride_an); else [M, 2I], strides (stride_am, 1)
+    b_ptr,  # PAIR 0: [M, I], strides (stride_bm, stride_bn); else unused
+    rows,  # [BLOCK_M] row indices
+    pid_n,  # column block: columns pid_n * BLOCK_N + [0, BLOCK_N) of a and b
+    M,
+    I,
+    stride_am,
+    stride_an,
+    stride_bm,
+    stride_bn,
+    PAIR: tl.constexpr,  # layout (module docstring); a is the first of the pair (gate)
+    LOAD_B: tl.constexpr,  # PAIR 0: False leaves b unread (zeros)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """(a, b): fp32 [BLOCK_M, BLOCK_N] tiles; masked elements are 0."""
+    r64 = rows.to(tl.int64)[:, None]  # M * row stride can pass 2**31 elements
+    if PAIR == 0:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows < M)[:, None] & (cols < I)[None, :]
+        c64 = cols.to(tl.int64)[None, :]
+        a = tl.load(a_ptr + r64 * stride_am + c64 * stride_an, mask=mask, other=0.0).to(tl.float32)
+        b = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if LOAD_B:
+            b = tl.load(b_ptr + r64 * stride_bm + c64 * stride_bn, mask=mask, other=0.0).to(tl.float32)
+        return a, b
+    cols = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < 2 * I)[None, :]
+    x = tl.load(a_ptr + r64 * stride_am + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_N, 2)))
+    if PAIR == 1:
+        return even, odd
+    return odd, even
+
+
+@triton.jit
+def store_pair(
+    a_ptr,  # PAIR 0: [M, I], strides (stride_m, stride_n); else [M, 2I], strides (stride_m, 1)
+    b_ptr,  # PAIR 0: [M, I], strides (stride_m, stride_n); else unused
+    a,  # fp32 [BLOCK_M, BLOCK_N] tile for a (unstored unless STORE_A)
+    b,  # fp32 [BLOCK_M, BLOCK_N] tile for b (unstored unless STORE_B)
+    rows,
+    pid_n,
+    M,
+    I,
+    stride_m,
+    stride_n,
+    PAIR: tl.constexpr,  # paired layouts store both
+    STORE_A: tl.constexpr,
+    STORE_B: tl.constexpr,
+    RNE_BY_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """a and b rounded to the outputs' dtype, stored at columns pid_n * BLOCK_N + [0, BLOCK_N)."""
+    r64 = rows.to(tl.int64)[:, None]
+    dtype = a_ptr.dtype.element_ty
+    if PAIR == 0:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows < M)[:, None] & (cols < I)[None, :]
+        offs = r64 * stride_m + cols.to(tl.int64)[None, :] * stride_n
+        if STORE_A:
+            tl.store(a_ptr + offs, round_store(a, dtype, RNE_BY_BITS), mask=mask)
+        if STORE_B:
+            tl.store(b_ptr + offs, round_store(b, dtype, RNE_BY_BITS), mask=mask)
+    else:
+        cols = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        mask = (rows < M)[:, None] & (cols < 2 * I)[None, :]
+        x = tl.join(a, b) if PAIR == 1 else tl.join(b, a)
+        x = round_store(tl.reshape(x, (BLOCK_M, 2 * BLOCK_N)), dtype, RNE_BY_BITS)
+        tl.store(a_ptr + r64 * stride_m + cols[None, :], x, mask=mask)
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., I] -> an [M, I] view (any strides); copies only if the leading dims do not merge."""
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def pair(a: torch.Tensor, b: torch.Tensor) -> tuple[tuple, int]:
+    """[M, I] views a, b -> ((pointer tensors and strides for load_pair / store_pair), PAIR):
+    ((base [M, 2I], base, row stride, 1, 0, 0), 1 or 2) when a and b interleave one tensor's
+    contiguous columns, else ((a, b, *a's strides, *b's strides), 0)."""
+    m, n = a.shape
+    if (a.stride(-1) == 2 and b.stride() == a.stride() and abs(a.storage_offset() - b.storage_offset()) == 1
+            and (m == 1 or a.stride(0) >= 2 * n) and a.dtype == b.dtype
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()):
+        first = a if a.storage_offset() < b.storage_offset() else b
+        base = first.as_strided((m, 2 * n), (a.stride(0), 1))
+        return (base, base, a.stride(0), 1, 0, 0), 1 if first is a else 2
+    return (a, b, *a.stride(), *b.stride()), 0
+
+
+def out_pair(dgate: torch.Tensor, dup: torch.Tensor, need_dgate: bool, need_dup: bool) -> tuple[tuple, int]:
+    """The [..., I] gradients a backward kernel writes -> ((a_ptr, b_ptr, stride_m, stride_n), PAIR):
+    both contiguous, both the columns of one d gate_up (paired when they interleave it), or one
+    alone. Each must be viewable as [M, I] rows: a copy would lose the kernel's writes."""
+    if need_dgate and need_dup and dgate.stride(-1) == 2:
+        (base, _, stride_m, stride_n, _, _), code = pair(*(t.view(-1, t.shape[-1]) for t in (dgate, dup)))
+        if code:
+            return (base, base, stride_m, stride_n), code
+    strides = {_row_strides(t) for t, need in ((dgate, need_dgate), (dup, need_dup)) if need}
+    if len(strides) != 1:
+        raise ValueError(f"fxfuse: dgate and dup strides differ: {strides}")
+    return (dgate, dup, *strides.pop()), 0
+
+
+def copy_outputs(outs: tuple, values: tuple, needs: tuple) -> None:
+    """The PyTorch reference path of a backward into given outputs: each needed one copied in."""
+    for out, value, need in zip(outs, values, needs):
+        if need:
+            out.copy_(value)
+
+
+def _row_strides(t: torch.Tensor) -> tuple[int, int]:
+    # contiguous first: a fresh gradient needs no view (host time per call)
+    return (t.shape[-1], 1) if t.is_contiguous() else t.view(-1, t.shape[-1]).stride()
+
+
+def _block_n(n_cols: int, max_tile: int) -> int:
+    # Whole rows up to max_tile columns, halved while the ragged last column block would pad the
+    # row by > 15% (I=11008 -> 4096); >= 1024 keeps 16-byte vectors on every thread.
+    bn = min(triton.next_power_of_2(n_cols), max_tile)
+    while bn > 1024 and triton.cdiv(n_cols, bn) * bn > 1.15 * n_cols:
+        bn //= 2
+    return bn
+
+
+def _block_m(block_n: int, max_tile: int) -> int:
+    # Short rows are batched into tiles of min(max_tile, 4096) elements (>= 4 KiB per tensor).
+    return max(1, min(max_tile, 4096) // block_n)
+
+
+def _num_warps(block_m: int, block_n: int) -> int:
+    # 16 elements (two 16-byte bf16 vectors) per thread per tensor: 2048 -> 4 warps, 8192 -> 16.
+    return max(1, min(16, block_m * block_n // 512))
+
+
+def _launch_grid(m: int, n: int, block_m: int, block_n: int) -> tuple[int, int]:
+    # Rows on grid axis 0 (up to 2**31 - 1 programs); column blocks on axis 1 (<= 65535).
+    return (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+
+
+@functools.lru_cache(maxsize=1024)
+def launch_config(m: int, n: int, max_tile: int) -> tuple[tuple[int, int], int, int, int]:
+    """(grid, BLOCK_M, BLOCK_N, num_warps) for [m, n] rows, programs of <= max_tile elements per
+    tensor (cached: sizing costs host time per call)."""
+    bn = _block_n(n, max_tile)
+    bm = _block_m(bn, max_tile)
+    return _launch_grid(m, n, bm, bn), bm, bn, _num_warps(bm, bn)
