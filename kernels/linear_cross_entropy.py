@@ -45,8 +45,8 @@ floor); the four matmuls alone take 49 ms at ~700 TFLOP/s (eager: 50 ms, +12 GiB
 39 ms, +3070 MiB). Precision: logits, softmax and every matmul accumulate in fp32; dzr is
 rounded to the input dtype once (as eager rounds its logits' grad). eager_rounding=True (backend
 option numerics="eager") rounds like the unfused graph in the input dtype: the lm_head output, the
-scale, z / c, tanh and * c each (_logits), and their gradients in reverse order (_dlogits); loss
-and gradients then equal eager's low-precision ones (tests: < 2e-4, one pass). With more than one pass
+scale, z / c, tanh and * c each, and their gradients in reverse order (_lce_logits.py); loss and
+gradients then equal eager's low-precision ones (tests: < 2e-4, one pass). With more than one pass
 (N > R = 4096 tokens at H = 4096) dW is rounded to bf16/fp16 once per pass: at 8 passes the
 fp16 test measures ~1.9x eager's dW error (the bound is 2x), so very long batches lose some.
 """
@@ -56,45 +56,12 @@ import torch
 import triton
 import triton.language as tl
 
+from . import linear_cross_entropy_fast  # noqa: F401  registers the fast op (algorithm="fast" calls it)
 from ._dispatch import use_triton
 from ._lce_chunks import (_addmm_f32_, _block, _cols_per_chunk, _cols_per_group, _mm_f32, _num_warps,
                           _rows_per_pass, _rows_per_program, _view)
-from ._round import rne_by_bits, round_code, round_ref, round_to
-
-
-
-@triton.jit
-def _tanh(u):
-    # tanh from exp: saturates to +-1 without overflow (exp -> inf gives 1 - 0).
-    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
-
-
-@triton.jit
-def _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-            ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr):
-    """(z, t): fp32 logits of one tile from the raw matmul tile zr (fp32), and tanh(z / c) (the
-    softcap's tanh, for its backward; z itself without a softcap). With ROUND each op's result is
-    rounded where eager stores it: the lm_head's output, the scale, z / c, tanh, * c."""
-    if HAS_BIAS:
-        zr += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    z = round_to(round_to(zr, ROUND, RNE_BY_BITS) * scale, ROUND, RNE_BY_BITS)
-    t = z
-    if SOFTCAP:
-        t = round_to(_tanh(round_to(z / softcap, ROUND, RNE_BY_BITS)), ROUND, RNE_BY_BITS)
-        z = round_to(t * softcap, ROUND, RNE_BY_BITS)
-    return z, t
-
-
-@triton.jit
-def _dlogits(dz, t, scale, softcap, SOFTCAP: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr):
-    """Grad of the raw matmul tile from dz, the fp32 grad of the fp32 logits: the chain rule of
-    _logits in eager's order (the .float() cast's grad rounded first, then * c, tanh', / c, * s)."""
-    dz = round_to(dz, ROUND, RNE_BY_BITS)
-    if SOFTCAP:
-        dz = round_to(dz * softcap, ROUND, RNE_BY_BITS)
-        dz = round_to(dz * (1.0 - t * t), ROUND, RNE_BY_BITS)
-        dz = round_to(dz / softcap, ROUND, RNE_BY_BITS)
-    return dz * scale
+from ._lce_logits import _dlogits, _dlogits_reference, _logits, _logits_reference, _reduce_like_eager
+from ._round import rne_by_bits, round_code
 
 
 @triton.jit
@@ -340,17 +307,6 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     return _reduce_like_eager(rows, target, ignore_index, reduction)
 
 
-def _reduce_like_eager(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
-    """sum(rows) or sum(rows) / count(target != ignore_index), summed by F.nll_loss as eager's
-    F.cross_entropy sums its rows: rows.sum()'s order follows the CPU's vector width (AVX2 and
-    AVX-512 machines round differently), nll_loss's cascade does not. Ignored rows are 0 in rows
-    and skipped here; an all-ignored "mean" batch is 0 / 0 = nan, as eager."""
-    pick = 1 if ignore_index == 0 else 0  # a column index that is not ignore_index
-    picks = torch.where(target == ignore_index, ignore_index, pick)
-    return torch.nn.functional.nll_loss((-rows)[:, None].expand(rows.shape[0], pick + 1), picks,
-                                        ignore_index=ignore_index, reduction=reduction)
-
-
 def linear_cross_entropy_eager(x, weight, bias, target, ignore_index=-100, reduction="mean",
                                label_smoothing=0.0, softcap=0.0, logit_scale=1.0):
     """The unfused definition (materialises [N, V]): what the matcher replaces."""
@@ -359,27 +315,6 @@ def linear_cross_entropy_eager(x, weight, bias, target, ignore_index=-100, reduc
         z = softcap * torch.tanh(z / softcap)
     return torch.nn.functional.cross_entropy(z.float(), target, ignore_index=ignore_index,
                                              reduction=reduction, label_smoothing=label_smoothing)
-
-
-def _logits_reference(z, bias, v0, softcap, scale, low=None):
-    """PyTorch twin of _logits: (z, t), rounded to low after each op when low is not None."""
-    rnd = lambda y: round_ref(y, low, low is not None)  # noqa: E731
-    if bias is not None:
-        z = z + bias[v0:v0 + z.shape[1]].float()
-    z = rnd(rnd(z) * scale)
-    if softcap <= 0:
-        return z, z
-    t = rnd(torch.tanh(rnd(z / softcap)))
-    return rnd(t * softcap), t
-
-
-def _dlogits_reference(dz, t, scale, softcap, low=None):
-    """PyTorch twin of _dlogits."""
-    rnd = lambda y: round_ref(y, low, low is not None)  # noqa: E731
-    dz = rnd(dz)
-    if softcap > 0:
-        dz = rnd(rnd(rnd(dz * softcap) * (1.0 - t * t)) / softcap)
-    return dz * scale
 
 
 def _fwd_chunk_reference(z, bias, target, state, n0, v0, softcap, scale, low):
@@ -407,5 +342,3 @@ def _bwd_chunk_reference(z, bias, target, lse, drow, n0, v0, ignore_index, on_ta
     dz = (z - lse[n0:n0 + rows, None]).exp() - off_target - onehot * on_target
     return _dlogits_reference(dz * w[:, None], th, scale, softcap, low)
 
-
-from . import linear_cross_entropy_fast  # noqa: E402,F401  registers the fast op (uses helpers above)

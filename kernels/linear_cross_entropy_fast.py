@@ -42,7 +42,7 @@ from . import _lce_chunks as _chunks
 from ._dispatch import no_double_backward, use_triton
 from ._round import rne_by_bits, round_code
 from ._lce_chunks import _block, _num_warps, _rows_per_program, _view
-from .linear_cross_entropy import _dlogits, _dlogits_reference, _logits, _logits_reference, _reduce_like_eager
+from ._lce_logits import _dlogits, _dlogits_reference, _logits, _logits_reference, _reduce_like_eager
 
 _FAST_BLOCK_BYTES = 64 << 20
 _FAST_MAX_PASSES = 8
