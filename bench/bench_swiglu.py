@@ -2,12 +2,14 @@
 
     python bench/bench_swiglu.py [--shapes 16384x14336 8192x8192] [--act silu] [--chunked]
     python bench/bench_swiglu.py --act clamped_swiglu --shapes 65536x2880   # gpt-oss experts
+    python bench/bench_swiglu.py --interleaved --round-act --shapes 65536x2880 --cuda-graph
 
 --act clamped_swiglu is gpt-oss's activation (alpha 1.702, limit 7) on its layout, gate and up
 interleaved in one [M, 2I] tensor (gate_up[..., ::2], gate_up[..., 1::2]); --chunked takes gate and
-up as the halves of one [M, 2I] tensor (Phi-3). In both packed layouts the gradient is that of the
-[M, 2I] tensor, and fxfuse runs the op its backend emits there (fxfuse::swiglu_packed /
-clamped_swiglu_packed: d gate_up written by the kernel, no scatter of dg and du into it).
+up as the halves of one [M, 2I] tensor (Phi-3), --interleaved as gpt-oss's columns. In the packed
+layouts the gradient is that of the [M, 2I] tensor, and fxfuse runs the op its backend emits there
+(fxfuse::swiglu_packed / clamped_swiglu_packed: d gate_up written by the kernel, no scatter of dg
+and du into it). --round-act: fxfuse rounds as under the backend's default numerics="eager".
 
 Each case times ``out = act(g) * u`` and its backward (``torch.autograd.grad``, so no gradient
 accumulation traffic) and reports GB/s from ``swiglu_bytes`` against the measured copy ceiling.
@@ -68,24 +70,25 @@ def _halves(gate_up: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Ten
     return gate_up.chunk(2, dim=-1)  # Phi-3's gate_up_proj
 
 
-def _fxfuse_fn(act: str, layout: str):
-    """What the fxfuse backend emits: the packed op when gate and up are halves of one tensor."""
+def _fxfuse_fn(act: str, layout: str, round_act: bool):
+    """What the fxfuse backend emits: the packed op when gate and up are halves of one tensor.
+    round_act: numerics="eager" (the backend's default; fp32 math between eager's roundings)."""
     import fxfuse.kernels.swiglu_packed  # noqa: F401  (registers the fxfuse swiglu ops)
 
     ops = torch.ops.fxfuse
     if layout == "separate":
-        return lambda g, u: ops.swiglu(g, u, act)
+        return lambda g, u: ops.swiglu(g, u, act, round_act)
     interleaved = layout == "interleaved"
     if act == "clamped_swiglu":
-        return lambda gu: ops.clamped_swiglu_packed(gu, GPT_OSS_ALPHA, GPT_OSS_LIMIT, interleaved, False)
-    return lambda gu: ops.swiglu_packed(gu, act, interleaved, False)
+        return lambda gu: ops.clamped_swiglu_packed(gu, GPT_OSS_ALPHA, GPT_OSS_LIMIT, interleaved, False, round_act)
+    return lambda gu: ops.swiglu_packed(gu, act, interleaved, False, round_act)
 
 
-def _provider_fn(provider: str, act: str, layout: str):
+def _provider_fn(provider: str, act: str, layout: str, round_act: bool = False):
     """(fn(*leaves) -> out, note); fn is None when the provider cannot run. leaves: (g, u), or
     (gate_up,) for a packed layout."""
     if provider == "fxfuse":
-        return _fxfuse_fn(act, layout), ""
+        return _fxfuse_fn(act, layout, round_act), ""
     if provider == "liger":
         fn, note = _liger_fn(act)
     elif provider == "inductor":
@@ -139,11 +142,12 @@ def run(args) -> list[Row]:
     rows = []
     for shape in args.shapes:
         m, i = (int(v) for v in shape.lower().split("x"))
-        layout = "interleaved" if args.act == "clamped_swiglu" else "chunked" if args.chunked else "separate"
+        layout = ("interleaved" if args.act == "clamped_swiglu" or args.interleaved
+                  else "chunked" if args.chunked else "separate")
         case = f"swiglu-{args.act} {m}x{i} {args.dtype}{'' if layout == 'separate' else ' ' + layout}"
         nbytes = swiglu_bytes(m, i, torch.empty((), dtype=dtype).element_size())
         for provider in args.providers:
-            fn, note = _provider_fn(provider, args.act, layout)
+            fn, note = _provider_fn(provider, args.act, layout, args.round_act)
             if fn is None:
                 rows.append(Row(case, provider, None, note=note))
                 continue
@@ -164,6 +168,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--act", default="silu", choices=("silu", "gelu", "gelu_tanh", "clamped_swiglu"))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--chunked", action="store_true", help="gate, up = gate_up.chunk(2, -1) of one [M, 2I] tensor")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="gate, up = gate_up[..., ::2], gate_up[..., 1::2] (clamped_swiglu's layout, always)")
+    parser.add_argument("--round-act", action="store_true",
+                        help="fxfuse rounds where eager's ops do (numerics='eager', the backend's default)")
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time CUDA-graph replays of fwd+bwd (GPU time only, no CPU dispatch/launch overhead)")
