@@ -69,6 +69,24 @@ def load_pair(
 
 
 @triton.jit
+def store_out(
+    out_ptr,  # [M, I] contiguous
+    x,  # fp32 [BLOCK_M, BLOCK_N] tile
+    rows,
+    pid_n,
+    M,
+    I,
+    RNE_BY_BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """x rounded to out's dtype, stored at columns pid_n * BLOCK_N + [0, BLOCK_N) (a forward's output)."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < I)[None, :]
+    offs = rows.to(tl.int64)[:, None] * I + cols[None, :]
+    tl.store(out_ptr + offs, round_store(x, out_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
+
+
+@triton.jit
 def store_pair(
     a_ptr,  # PAIR 0: [M, I], strides (stride_m, stride_n); else [M, 2I], strides (stride_m, 1)
     b_ptr,  # PAIR 0: [M, I], strides (stride_m, stride_n); else unused

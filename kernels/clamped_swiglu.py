@@ -33,7 +33,7 @@ from triton.language.extra import libdevice
 
 from ._dispatch import register_autograd
 from ._round import round_code, round_ref, round_to
-from ._gated import copy_outputs, launch_config, load_pair, out_pair, pair, rows, store_pair
+from ._gated import copy_outputs, launch_config, load_pair, out_pair, pair, rows, store_out, store_pair
 from .swiglu import _ACT_ID, _max_tile, _on_triton, _rne_by_bits
 
 
@@ -88,7 +88,7 @@ def _clamped_swiglu_fwd_kernel(
     g, u = load_pair(gate_ptr, up_ptr, rows, pid_n, M, I, stride_gm, stride_gn, stride_um, stride_un,
                      PAIR, True, BLOCK_M, BLOCK_N)
     _, _, glu, p = _forward_terms(g, u, alpha, limit, ROUND, RNE_BY_BITS, LIBDEVICE)
-    store_pair(out_ptr, out_ptr, p * glu, p, rows, pid_n, M, I, I, 1, 0, True, False, RNE_BY_BITS, BLOCK_M, BLOCK_N)
+    store_out(out_ptr, p * glu, rows, pid_n, M, I, RNE_BY_BITS, BLOCK_N)
 
 
 @triton.jit

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import register_autograd, use_triton
-from ._gated import copy_outputs, launch_config, load_pair, out_pair, pair, rows, store_pair
+from ._gated import copy_outputs, launch_config, load_pair, out_pair, pair, rows, store_out, store_pair
 from ._round import rne_by_bits, round_code, round_ref, round_to
 
 ACTS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
@@ -108,7 +108,7 @@ def _swiglu_fwd_kernel(
                      PAIR, True, BLOCK_M, BLOCK_N)
     a, _ = _act_and_grad(g, ACT, False)
     a = round_to(a, ROUND_ACT, RNE_BY_BITS)
-    store_pair(out_ptr, out_ptr, a * u, a, rows, pid_n, M, I, I, 1, 0, True, False, RNE_BY_BITS, BLOCK_M, BLOCK_N)
+    store_out(out_ptr, a * u, rows, pid_n, M, I, RNE_BY_BITS, BLOCK_N)
 
 
 @triton.jit

@@ -90,24 +90,17 @@ def _check_clamped(scalars: dict) -> str | None:
 
 
 def lower(m, graph: fx.Graph, opts) -> fx.Node:
-    gate, up = m.inputs["gate"], m.inputs["up"]
-    packed = packed_source(gate, up)
-    if "limit" in m.scalars:
-        import fxfuse.kernels.clamped_swiglu  # noqa: F401  registers torch.ops.fxfuse.clamped_swiglu
-        import fxfuse.kernels.swiglu_packed  # noqa: F401
+    import fxfuse.kernels.swiglu_packed  # noqa: F401  registers every gated-MLP op (imports the other two)
 
-        clamp = (float(m.scalars["alpha"]), float(m.scalars["limit"]))
-        if packed:
-            return graph.call_function(torch.ops.fxfuse.clamped_swiglu_packed.default,
-                                       (packed[0], *clamp, *packed[1:], opts.eager_rounding))
-        return graph.call_function(torch.ops.fxfuse.clamped_swiglu.default, (gate, up, *clamp, opts.eager_rounding))
-    import fxfuse.kernels.swiglu  # noqa: F401  registers torch.ops.fxfuse.swiglu
-    import fxfuse.kernels.swiglu_packed  # noqa: F401
-
-    if packed:
-        return graph.call_function(torch.ops.fxfuse.swiglu_packed.default,
-                                   (packed[0], m.consts["act"], *packed[1:], opts.eager_rounding))
-    return graph.call_function(torch.ops.fxfuse.swiglu.default, (gate, up, m.consts["act"], opts.eager_rounding))
+    ops = torch.ops.fxfuse
+    clamped = "limit" in m.scalars
+    act = (float(m.scalars["alpha"]), float(m.scalars["limit"])) if clamped else (m.consts["act"],)
+    packed = packed_source(m.inputs["gate"], m.inputs["up"])
+    if packed:  # (gate_up, interleaved, up_first)
+        op = ops.clamped_swiglu_packed if clamped else ops.swiglu_packed
+        return graph.call_function(op.default, (packed[0], *act, *packed[1:], opts.eager_rounding))
+    op = ops.clamped_swiglu if clamped else ops.swiglu
+    return graph.call_function(op.default, (m.inputs["gate"], m.inputs["up"], *act, opts.eager_rounding))
 
 
 def packed_source(gate: fx.Node, up: fx.Node) -> tuple[fx.Node, bool, bool] | None:
