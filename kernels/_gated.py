@@ -32,6 +32,16 @@ def round_store(x, DTYPE: tl.constexpr, RNE_BY_BITS: tl.constexpr):
 
 
 @triton.jit
+def load_tile(ptr, rows, pid_n, M, I, stride_m, stride_n, BLOCK_N: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] tile of an [M, I] tensor with strides (stride_m, stride_n): columns
+    pid_n * BLOCK_N + [0, BLOCK_N) of rows; masked elements are 0."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < I)[None, :]
+    offs = rows.to(tl.int64)[:, None] * stride_m + cols.to(tl.int64)[None, :] * stride_n  # can pass 2**31
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def load_pair(
     a_ptr,  # PAIR 0: [M, I], strides (stride_am, stride_an); else [M, 2I], strides (stride_am, 1)
     b_ptr,  # PAIR 0: [M, I], strides (stride_bm, stride_bn); else unused
@@ -49,19 +59,13 @@ def load_pair(
     BLOCK_N: tl.constexpr,
 ):
     """(a, b): fp32 [BLOCK_M, BLOCK_N] tiles; masked elements are 0."""
-    r64 = rows.to(tl.int64)[:, None]  # M * row stride can pass 2**31 elements
     if PAIR == 0:
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows < M)[:, None] & (cols < I)[None, :]
-        c64 = cols.to(tl.int64)[None, :]
-        a = tl.load(a_ptr + r64 * stride_am + c64 * stride_an, mask=mask, other=0.0).to(tl.float32)
+        a = load_tile(a_ptr, rows, pid_n, M, I, stride_am, stride_an, BLOCK_N)
         b = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         if LOAD_B:
-            b = tl.load(b_ptr + r64 * stride_bm + c64 * stride_bn, mask=mask, other=0.0).to(tl.float32)
+            b = load_tile(b_ptr, rows, pid_n, M, I, stride_bm, stride_bn, BLOCK_N)
         return a, b
-    cols = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < 2 * I)[None, :]
-    x = tl.load(a_ptr + r64 * stride_am + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = load_tile(a_ptr, rows, pid_n, M, 2 * I, stride_am, 1, 2 * BLOCK_N)
     even, odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_N, 2)))
     if PAIR == 1:
         return even, odd
@@ -170,6 +174,18 @@ def copy_outputs(outs: tuple, values: tuple, needs: tuple) -> None:
 def _row_strides(t: torch.Tensor) -> tuple[int, int]:
     # contiguous first: a fresh gradient needs no view (host time per call)
     return (t.shape[-1], 1) if t.is_contiguous() else t.view(-1, t.shape[-1]).stride()
+
+
+def backward_args(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: torch.Tensor,
+                  dup: torch.Tensor, need_dgate: bool, need_dup: bool) -> tuple[list, dict, int, int]:
+    """The gated backward kernels' leading arguments (dout, gate, up, dgate, dup pointers, M, I and
+    their strides, in kernel order), their PAIR / OUT_PAIR constexprs, and M, I."""
+    outs, out_code = out_pair(dgate, dup, need_dgate, need_dup)
+    ins, pair_code = pair(rows(gate), rows(up))
+    d2 = rows(grad_out)
+    m, n = d2.shape
+    args = [d2, *ins[:2], *outs[:2], m, n, *d2.stride(), *ins[2:], *outs[2:]]
+    return args, {"PAIR": pair_code, "OUT_PAIR": out_code}, m, n
 
 
 def _block_n(n_cols: int, max_tile: int) -> int:

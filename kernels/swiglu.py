@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import register_autograd, use_triton
-from ._gated import copy_outputs, launch_config, load_pair, out_pair, pair, rows, store_out, store_pair
+from ._gated import backward_args, copy_outputs, launch_config, load_pair, load_tile, pair, rows, store_out, store_pair
 from ._round import rne_by_bits, round_code, round_ref, round_to
 
 ACTS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
@@ -140,10 +140,7 @@ def _swiglu_bwd_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pid_n = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < I)[None, :]
-    r64, c64 = rows.to(tl.int64)[:, None], cols.to(tl.int64)[None, :]
-    dout = tl.load(dout_ptr + r64 * stride_dm + c64 * stride_dn, mask=mask, other=0.0).to(tl.float32)
+    dout = load_tile(dout_ptr, rows, pid_n, M, I, stride_dm, stride_dn, BLOCK_N)
     g, u = load_pair(gate_ptr, up_ptr, rows, pid_n, M, I, stride_gm, stride_gn, stride_um, stride_un,
                      PAIR, NEED_DGATE, BLOCK_M, BLOCK_N)
     a, da = _act_and_grad(g, ACT, NEED_DGATE)
@@ -220,13 +217,10 @@ def swiglu_backward_into(
     if not _on_triton(gate):
         ref = _swiglu_backward_reference(grad_out, gate, up, act, need_dgate, need_dup, round_act)
         return copy_outputs((dgate, dup), ref, (need_dgate, need_dup))
-    outs, out_code = out_pair(dgate, dup, need_dgate, need_dup)
-    ins, pair_code = pair(rows(gate), rows(up))
-    d2 = rows(grad_out)
-    m, n = d2.shape
+    args, layouts, m, n = backward_args(grad_out, gate, up, dgate, dup, need_dgate, need_dup)
     grid, bm, bn, num_warps = launch_config(m, n, _max_tile(act_id))
     _swiglu_bwd_kernel[grid](
-        d2, *ins[:2], *outs[:2], m, n, *d2.stride(), *ins[2:], *outs[2:], PAIR=pair_code, OUT_PAIR=out_code,
+        *args, **layouts,
         ACT=act_id, NEED_DGATE=need_dgate, NEED_DUP=need_dup, ROUND_ACT=round_code(gate.dtype, round_act),
         RNE_BY_BITS=_rne_by_bits(gate),
         BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
