@@ -52,11 +52,13 @@ def is_gated_mlp(m: nn.Module) -> bool:
 
 def is_attention(m: nn.Module) -> bool:
     """A softmax-attention module (a RoPE site in a rotary model), DeepSeek's MLA (kv_a_proj_with_mqa)
-    too. MiniMax's lightning attention layers (linear attention: a qkv_proj, no rotation) are not."""
+    too, and a layer that reuses an earlier layer's keys (Gemma 3n: q_proj and o_proj, no k_proj;
+    it still rotates its queries). MiniMax's lightning attention layers (linear attention: a
+    qkv_proj, no rotation) are not."""
     names = _names(m)
     if "lightning" in type(m).__name__.lower():
         return False
-    return ({"q_proj", "k_proj"} <= names or {"wq", "wk"} <= names
+    return ({"q_proj", "k_proj"} <= names or {"q_proj", "o_proj"} <= names or {"wq", "wk"} <= names
             or bool(names & {"query_key_value", "qkv_proj", "wqkv", "kv_a_proj_with_mqa"}))
 
 

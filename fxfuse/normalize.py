@@ -4,8 +4,14 @@ pre_dispatch keeps ``aten.linear``, ``aten.silu``, ``aten.cross_entropy_loss``, 
 ``aten.to.dtype`` and autocast enter/exit nodes, so patterns are written against the ops people call
 and autocast stays a region, not casts baked into every op. Node metadata (module path, stack trace)
 is carried through by interpreting the graph node by node under ``preserve_node_meta``.
+
+Two spellings are unified on the ATen graph itself (model graphs and pattern traces alike, so one
+pattern matches both): torch's alias ops that pre-dispatch keeps (``torch.multiply``, ``divide``,
+``clip``, ``concat``, ...) become the op they stand for, and ``x @ w.t()`` becomes ``aten.linear``.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.fx as fx
@@ -38,6 +44,18 @@ def _fakify(gm: fx.GraphModule, example_inputs, fake_mode):
         else:
             out.append(x)
     return out
+
+
+class _Retrace(opaque.Interpreter):
+    """Runs Dynamo's graph under make_fx. ``p.data`` (Dynamo's ``_get_data_attr``) is no ATen op, so
+    make_fx would bake its fake result into the graph as a constant (a crash at run time, or a
+    failed compile when the model mutates it, as Gemma 3n's ``coefs.weight.data.clamp_()``); it is
+    traced as ``aten.detach``: the same storage, no gradient, as torch.compile's own AOTAutograd does."""
+
+    def run_node(self, n: fx.Node):
+        if n.op == "call_function" and n.target is torch._C._autograd._get_data_attr:
+            return torch.ops.aten.detach.default(self.env[n.args[0]])
+        return super().run_node(n)
 
 
 class Unsupported(RuntimeError):
@@ -101,6 +119,47 @@ def canonical_linear(graph: fx.Graph) -> None:
     graph.eliminate_dead_code()
 
 
+# torch's alias ops that pre-dispatch tracing keeps (CompositeImplicitAutograd redirects with the same
+# arguments) -> the op each stands for; an overload missing from the map keeps its own name.
+_ALIASES = {
+    "multiply": "mul", "divide": "div", "true_divide": "div", "subtract": "sub", "negative": "neg",
+    "absolute": "abs", "clip": "clamp", "concat": "cat", "concatenate": "cat", "special_expit": "sigmoid",
+    "swapaxes": "transpose", "swapdims": "transpose",
+}
+_OVERLOADS = {"swapaxes.default": "int", "swapdims.default": "int"}
+
+
+@functools.cache
+def _unaliased(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The op ``op`` is an alias of, when its arguments are the same (names aside), else None."""
+    name = _ALIASES.get(op._opname) if op.namespace == "aten" else None
+    if name is None:
+        return None
+    overload = _OVERLOADS.get(f"{op._opname}.{op._overloadname}", op._overloadname)
+    target = getattr(getattr(torch.ops.aten, name), overload, None)
+    if target is None:
+        return None
+    types = [(a.type, a.kwarg_only) for a in op._schema.arguments]
+    return target if types == [(a.type, a.kwarg_only) for a in target._schema.arguments] else None
+
+
+def canonical_aliases(graph: fx.Graph) -> None:
+    """``aten.multiply(a, b)`` -> ``aten.mul(a, b)`` and the other aliases in ``_ALIASES``: the same
+    computation under the name the patterns are traced with (Gemma 3n spells its gate
+    ``torch.multiply``)."""
+    for n in graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            target = _unaliased(n.target)
+            if target is not None:
+                n.target = target
+
+
+def canonical_ops(graph: fx.Graph) -> None:
+    """Both spelling unifications of the module doc, applied to model graphs and pattern traces."""
+    canonical_aliases(graph)
+    canonical_linear(graph)
+
+
 def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     """Re-trace Dynamo's graph to pre-dispatch ATen; keeps Dynamo's graph and placeholder metadata.
     Activation-checkpointed regions are inlined with their recompute tags first (checkpoint.py)."""
@@ -109,14 +168,14 @@ def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     fakes = _fakify(gm, example_inputs, fake_mode)
 
-    interp = opaque.Interpreter(source)
+    interp = _Retrace(source)
     try:
         with fake_mode, fx_traceback.preserve_node_meta():
             aten_gm = make_fx(interp.run, pre_dispatch=True)(*fakes)
         opaque.restore(aten_gm, interp.originals)
     finally:
         opaque.forget(interp.originals)
-    canonical_linear(aten_gm.graph)  # also removes make_fx's dead aten.detach nodes
+    canonical_ops(aten_gm.graph)  # also removes make_fx's dead aten.detach nodes
     aten_gm.recompile()
     aten_gm.meta["fxfuse_opaque"] = [opaque.describe(n) for n in interp.originals.values()]
     aten_gm.meta.update(gm.meta)

@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .canon import VNode, build_view
-from .normalize import canonical_linear
+from .normalize import canonical_ops
 
 # Captured scalar parameters are traced with these values (ints for parameters whose default is an
 # int, else floats); a view literal equal to one is a wildcard.
@@ -128,7 +128,7 @@ def trace_variant(pattern: Pattern, variant: Variant) -> tuple[PatternGraph, ...
         with warnings.catch_warnings():  # mixed-dtype example inputs warn in some ops' fast paths
             warnings.simplefilter("ignore")
             gm = make_fx(fn, pre_dispatch=True)(*args)
-        canonical_linear(gm.graph)
+        canonical_ops(gm.graph)
         g, vnodes, _ = build_view(gm.graph)
         sig = _signature(g, vnodes)
         if sig in seen:

@@ -50,6 +50,12 @@ HF_ZOO: dict[str, dict] = {
                                              "q_lora_rank", "num_key_value_heads")}},
     "youtu": {**{k: MLA_TINY[k] for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank",
                                           "q_lora_rank", "num_key_value_heads", "head_dim")}},
+    # Gemma 3n: per-layer lists sized to 2 layers, the second reusing the first's keys and values (as
+    # its last 15 of 35 do), the first with the 0.95 Gaussian top-k gate sparsity of its first 10;
+    # AltUp over 2 streams; per-layer embeddings and LAuReL at TINY's scale
+    "gemma3n_text": {"layer_types": ["sliding_attention"] * 2, "sliding_window": 8, "num_kv_shared_layers": 1,
+                     "intermediate_size": [48] * 2, "activation_sparsity_pattern": [0.95, 0.0], "altup_num_inputs": 2,
+                     "vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 8, "laurel_rank": 4},
 }
 
 # (architecture, pattern) -> why the site is not fused; the harness records these as gaps
