@@ -122,7 +122,7 @@ def inner_compile(gm: fx.GraphModule, example_inputs, opts: Options, mode: str |
 
         return aot_eager(gm, example_inputs)
     from torch._functorch import config as functorch_config
-    from torch._inductor import config, list_mode_options
+    from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
     mode_opts = list_mode_options(mode) if mode not in (None, "default") else {}
@@ -130,9 +130,10 @@ def inner_compile(gm: fx.GraphModule, example_inputs, opts: Options, mode: str |
     # tagged for recomputation would share an entry with the same graph untagged (and get the wrong
     # saved set). Tagged graphs skip that cache; Inductor's own cache of the partitioned graphs stays.
     tagged = any("recompute" in n.meta for n in gm.graph.nodes)
-    with config.patch({**mode_opts, **opts.inductor_patches()}), \
-            functorch_config.patch(enable_autograd_cache=functorch_config.enable_autograd_cache and not tagged):
-        return compile_fx(gm, example_inputs)
+    # config_patches, not a config.patch around the call: compile_fx also applies them to the
+    # backward graph's compile, which AOTAutograd may run later (at the first backward)
+    with functorch_config.patch(enable_autograd_cache=functorch_config.enable_autograd_cache and not tagged):
+        return compile_fx(gm, example_inputs, config_patches={**mode_opts, **opts.inductor_patches()})
 
 
 def compiled_reports() -> list[Report]:

@@ -20,6 +20,9 @@ DOC = {
                  "(3 matmuls, + an [N/8, V] logits block)",
     "recompute": "True (default): fused RMSNorm and SwiGLU outputs are recomputed in backward from the "
                  "inputs their backward keeps anyway, not saved for the next matmul; False: saved",
+    "inplace_backward": "True (default): under Inductor, a fused gated MLP's backward writes its gradients "
+                        "over buffers the backward no longer reads (recomputed gate under checkpointing, "
+                        "down_proj's input gradient) instead of fresh ones; False: fresh buffers",
     "causal_attention": "True (default): an SDPA call whose mask is a constant causal mask gets "
                         "is_causal=True instead (and enable_gqa for repeated k/v); False: left as is",
     "numerics": "'eager' (default): in bf16/fp16 graphs the fused ops round where eager's ops store "
@@ -43,6 +46,7 @@ class Options:
     loss_head: str = "auto"
     recompute: bool = True
     numerics: str = "eager"
+    inplace_backward: bool = True
 
     @classmethod
     def parse(cls, options: dict | None) -> Options:
@@ -75,8 +79,11 @@ class Options:
         numerics = options.get("numerics", "eager")
         if numerics not in NUMERICS:
             raise ValueError(f"fxfuse: option 'numerics' must be one of {NUMERICS}, got {numerics!r}")
+        inplace = options.get("inplace_backward", True)
+        if not isinstance(inplace, bool):
+            raise ValueError(f"fxfuse: option 'inplace_backward' must be True or False, got {inplace!r}")
         return cls(inner, pats, debug_dir, dict(options.get("inductor_config") or {}), logits, causal,
-                   loss_head, recompute, numerics)
+                   loss_head, recompute, numerics, inplace)
 
     @property
     def eager_rounding(self) -> bool:
@@ -86,12 +93,18 @@ class Options:
     def inductor_patches(self) -> dict:
         """torch._inductor.config overrides for the inner compile: numerics='eager' keeps eager's
         downcasts between fused pointwise ops (emulate_precision_casts); the user's inductor_config
-        wins over it."""
+        wins over it; inplace_backward adds fxfuse.reinplace as a post-grad pass."""
         from torch._inductor import config
 
         eager = {"emulate_precision_casts": True} if self.eager_rounding and hasattr(
             config, "emulate_precision_casts") else {}
-        return {**eager, **self.inductor_config}
+        patches = {**eager, **self.inductor_config}
+        if self.inplace_backward:  # fxfuse's post-grad pass first, then a user's own
+            from .reinplace import post_grad_passes
+
+            patches["post_grad_custom_post_pass"] = post_grad_passes(
+                patches.get("post_grad_custom_post_pass", config.post_grad_custom_post_pass))
+        return patches
 
     def loss_head_algorithm(self) -> str:
         """The fused loss head's algorithm: 'auto' is 'fast' under Inductor, whose compiled backward

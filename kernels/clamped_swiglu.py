@@ -168,6 +168,10 @@ _lib.define(
     "clamped_swiglu_backward(Tensor grad_out, Tensor gate, Tensor up, float alpha, float limit, "
     "bool need_dgate, bool need_dup, bool round_act=False) -> (Tensor, Tensor)"
 )
+_lib.define(  # into given tensors, as fxfuse::swiglu_backward_into (fxfuse.reinplace)
+    "clamped_swiglu_backward_into(Tensor grad_out, Tensor gate, Tensor up, float alpha, float limit, "
+    "Tensor(a!) dgate, Tensor(b!) dup, bool need_dgate, bool need_dup, bool round_act=False) -> ()"
+)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float,
@@ -229,6 +233,7 @@ def clamped_swiglu_backward(
 for _key in ("CPU", "CUDA"):  # plain Library registration, as fxfuse::swiglu (host time per call)
     _lib.impl("clamped_swiglu", clamped_swiglu, _key)
     _lib.impl("clamped_swiglu_backward", clamped_swiglu_backward, _key)
+    _lib.impl("clamped_swiglu_backward_into", clamped_swiglu_backward_into, _key)
 
 
 @torch.library.register_fake("fxfuse::clamped_swiglu", lib=_lib)
@@ -241,6 +246,11 @@ def _(gate, up, alpha, limit, round_act=False):
 def _(grad_out, gate, up, alpha, limit, need_dgate, need_dup, round_act=False):
     _check_args(gate, up, limit)
     return gate.new_empty(gate.shape if need_dgate else (0,)), gate.new_empty(gate.shape if need_dup else (0,))
+
+
+@torch.library.register_fake("fxfuse::clamped_swiglu_backward_into", lib=_lib)
+def _(grad_out, gate, up, alpha, limit, dgate, dup, need_dgate, need_dup, round_act=False):
+    _check_args(gate, up, limit)
 
 
 _OP = torch.ops.fxfuse.clamped_swiglu.default

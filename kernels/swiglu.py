@@ -182,6 +182,12 @@ _lib.define(
     "swiglu_backward(Tensor grad_out, Tensor gate, Tensor up, str act, bool need_dgate, bool need_dup, "
     "bool round_act=False) -> (Tensor, Tensor)"
 )
+# swiglu_backward writing into given tensors: fxfuse.reinplace passes buffers the backward graph
+# no longer reads (dgate over gate, dup over grad_out), so no fresh [..., I] pair is allocated
+_lib.define(
+    "swiglu_backward_into(Tensor grad_out, Tensor gate, Tensor up, str act, Tensor(a!) dgate, Tensor(b!) dup, "
+    "bool need_dgate, bool need_dup, bool round_act=False) -> ()"
+)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = False) -> torch.Tensor:
@@ -247,6 +253,7 @@ def swiglu_backward(
 for _key in ("CPU", "CUDA"):
     _lib.impl("swiglu", swiglu, _key)
     _lib.impl("swiglu_backward", swiglu_backward, _key)
+    _lib.impl("swiglu_backward_into", swiglu_backward_into, _key)
 
 
 @torch.library.register_fake("fxfuse::swiglu", lib=_lib)
@@ -259,6 +266,11 @@ def _(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = False) -
 def _(grad_out, gate, up, act, need_dgate, need_dup, round_act=False):
     _check_act(act)
     return gate.new_empty(gate.shape if need_dgate else (0,)), gate.new_empty(gate.shape if need_dup else (0,))
+
+
+@torch.library.register_fake("fxfuse::swiglu_backward_into", lib=_lib)
+def _(grad_out, gate, up, act, dgate, dup, need_dgate, need_dup, round_act=False):
+    _check_act(act)
 
 
 _SWIGLU = torch.ops.fxfuse.swiglu.default

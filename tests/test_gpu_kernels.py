@@ -62,6 +62,25 @@ def test_relu_gates_round_like_eager(act):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("act", (*ACTS, "clamped"))
+@pytest.mark.parametrize("shape", [(1, 7), (199, 1030), (4096, 5504)])
+def test_backward_into_its_own_inputs(act, shape):
+    """fxfuse.reinplace's *_into ops compiled for the GPU, dgate written over gate and dup over
+    grad_out: the functional backward's bits (each element read before it is overwritten)."""
+    import fxfuse.kernels.clamped_swiglu  # noqa: F401
+    import fxfuse.kernels.swiglu  # noqa: F401
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    gate, up, dout = ((torch.randn(shape, device="cuda", generator=g) * 2).bfloat16() for _ in range(3))
+    ops, extra = torch.ops.fxfuse, ((1.702, 7.0) if act == "clamped" else (act,))
+    functional = ops.clamped_swiglu_backward if act == "clamped" else ops.swiglu_backward
+    into = ops.clamped_swiglu_backward_into if act == "clamped" else ops.swiglu_backward_into
+    dgate, dup = functional(dout, gate, up, *extra, True, True)
+    gate2, dout2 = gate.clone(), dout.clone()
+    into(dout2, gate2, up, *extra, gate2, dout2, True, True)
+    assert torch.equal(gate2, dgate) and torch.equal(dout2, dup)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 7), (333, 777), (4096, 2880)])  # 2880: gpt-oss-20b's expert width
 def test_clamped_swiglu_rounds_like_eager(dtype, shape):

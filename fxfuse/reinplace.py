@@ -1,0 +1,213 @@
+"""Gated-MLP backwards written over buffers the backward graph no longer reads (Inductor only).
+
+``fxfuse::swiglu_backward(grad_out, gate, up)`` returns a fresh (dgate, dup) pair, each [N, I].
+Under activation checkpointing gate and up are recomputed in the backward graph and grad_out is
+down_proj's input gradient, a matmul output: at the call five [N, I] buffers are alive, and that
+is the step's peak (H200, Llama-1B-like, 128 x 2048 tokens: 5 x 4 GiB live there, bench/RESULTS.md).
+
+This pass runs on Inductor's post-grad graphs (``post_grad_custom_post_pass``) and replaces such a
+call by its ``*_into`` twin writing each gradient over the input it is computed from, when nothing
+reads that input afterwards: dgate over gate, dup over grad_out (three buffers alive, not five;
+without checkpointing gate and up are saved tensors, graph inputs, and only dup goes in place).
+Each output element depends on the input element it overwrites and is written by the program that
+reads it, so the kernels read before they write. Inductor orders every earlier read of a mutated
+buffer before the mutation.
+
+A buffer may be overwritten when it is fresh storage (an op that returns no alias of its inputs:
+not a graph input, not a view of one), when neither it nor any view of it is read after the call
+or is a graph output, and when it has the gradient's shape and dtype and is contiguous.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import operator
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+log = logging.getLogger("fxfuse")
+
+
+@functools.cache
+def _twins() -> dict:
+    """functional backward -> (its *_into op, position of dgate / dup in the *_into arguments:
+    the functional call's position of need_dgate)."""
+    import fxfuse.kernels.clamped_swiglu  # noqa: F401  (registers the ops)
+    import fxfuse.kernels.swiglu  # noqa: F401
+
+    ops = torch.ops.fxfuse
+    return {
+        ops.swiglu_backward.default: (ops.swiglu_backward_into.default, 4),
+        ops.clamped_swiglu_backward.default: (ops.clamped_swiglu_backward_into.default, 5),
+    }
+
+
+def _aliasing(n: fx.Node) -> bool:
+    """n's result may share storage with one of its inputs (a view, reshape, split, getitem of one)."""
+    if n.target is operator.getitem:
+        return True
+    schema = getattr(n.target, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
+
+
+def _fresh(n: fx.Node) -> bool:
+    """n's result is storage of its own: an op call returning no alias, or an item of one's tuple."""
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:
+        src = n.args[0]
+        return isinstance(src, fx.Node) and src.op == "call_function" and not _aliasing(src)
+    return not _aliasing(n)
+
+
+def _base(n: fx.Node) -> fx.Node | None:
+    """The node whose fresh storage n views, or None (a graph input, a constant, an unknown op)."""
+    while isinstance(n, fx.Node) and not _fresh(n):
+        if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+            return None
+        n = n.args[0]
+    return n if isinstance(n, fx.Node) else None
+
+
+def _family(base: fx.Node) -> set[fx.Node]:
+    """base and every node that may alias it (views of views, items of a split)."""
+    seen, todo = {base}, [base]
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen and user.op == "call_function" and _aliasing(user):
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def _contiguous(t: torch.Tensor) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    expected = 1
+    for size, stride in reversed(list(zip(t.shape, t.stride()))):
+        if not statically_known_true(size == 1) and not statically_known_true(stride == expected):
+            return False
+        expected = expected * size
+    return True
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
+
+
+def overwritable(target: fx.Node, call: fx.Node, others: list, grad: torch.Tensor, order: dict) -> bool:
+    """target (an argument of call) may hold call's gradient grad: see the module docstring.
+    others: call's other tensor arguments, which must not share target's storage."""
+    val = target.meta.get("val")
+    base = _base(target)
+    if base is None or not isinstance(val, torch.Tensor) or not isinstance(grad, torch.Tensor):
+        return False
+    if val.dtype != grad.dtype or val.device != grad.device or not _same_shape(val, grad) or not _contiguous(val):
+        return False
+    family = _family(base)
+    if any(o in family for o in others):
+        return False
+    here = order[call]
+    return all(u is call or u in family or order.get(u, here + 1) < here for m in family for u in m.users)
+
+
+def _fresh_gradient(graph: fx.Graph, gate: fx.Node, need: bool, val) -> fx.Node:
+    """What the functional op would return for a gradient not placed over an input: a contiguous
+    [..., I] like gate, or [0] when not asked for."""
+    g = gate.meta["val"]
+    if need:
+        d = graph.call_function(torch.ops.aten.empty_like.default, (gate,), {"memory_format": torch.contiguous_format})
+    else:
+        d = graph.call_function(torch.ops.aten.empty.memory_format, ([0],), {"dtype": g.dtype, "device": g.device})
+    d.meta["val"] = val
+    return d
+
+
+def reinplace(graph: fx.Graph) -> int:
+    """Rewrite every gated backward call whose gradients can go in place; returns how many
+    gradients were placed over an input."""
+    twins = _twins()
+    calls = [n for n in graph.nodes if n.op == "call_function" and n.target in twins]
+    if not calls:
+        return 0
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    placed = 0
+    for call in calls:
+        into, at = twins[call.target]
+        if len(call.args) < at + 2:  # the flags given by keyword: not as fxfuse's autograd calls it
+            continue
+        grad_out, gate, up = call.args[:3]
+        need = call.args[at:at + 2]
+        vals = call.meta.get("val") or (None, None)
+        outs = {k: u for u in call.users if u.target is operator.getitem for k in [u.args[1]]}
+        if len(outs) != len(call.users):
+            continue
+        # dgate over gate, dup over grad_out: each output reads the input it overwrites
+        targets = [(gate, [grad_out, up]), (grad_out, [gate, up])]
+        over = [need[k] and overwritable(t, call, o, vals[k], order) for k, (t, o) in enumerate(targets)]
+        if not any(over):
+            continue
+        with graph.inserting_before(call):
+            dst = [t if over[k] else _fresh_gradient(graph, gate, need[k], vals[k])
+                   for k, (t, _) in enumerate(targets)]
+            new = graph.call_function(into, (*call.args[:at], *dst, *call.args[at:]), dict(call.kwargs))
+            new.meta = {**call.meta, "val": None}
+            if "eager_input_vals" in call.meta:  # Inductor pins the call's input layouts to these
+                new.meta["eager_input_vals"] = (
+                    tuple(a.meta["val"] if isinstance(a, fx.Node) else a for a in new.args), dict(new.kwargs))
+        for d in (*dst, new):
+            order.setdefault(d, order[call])
+        for k, user in outs.items():
+            user.replace_all_uses_with(dst[k])
+            graph.erase_node(user)
+        graph.erase_node(call)
+        placed += sum(over)
+    if placed:
+        log.debug("fxfuse.reinplace: %d gated-MLP gradients written over dead buffers", placed)
+        from torch._dynamo.utils import counters
+
+        counters["fxfuse"]["gradients_in_place"] += placed
+    return placed
+
+
+class ReinplacePass(CustomGraphPass):
+    """reinplace as an Inductor custom pass; its uuid (this file's hash) keys Inductor's FX graph
+    cache, so graphs compiled with it stay cacheable."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        reinplace(graph)
+
+    def uuid(self) -> str:
+        with open(__file__, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+
+def post_grad_passes(user):
+    """The value of Inductor's post_grad_custom_post_pass: fxfuse's pass, then the user's own."""
+    if user is None:
+        return ReinplacePass()
+    try:  # torch versions that take a list of passes
+        from torch._inductor.custom_graph_pass import get_custom_graph_passes
+    except ImportError:
+        return _Chain(user)
+    return [ReinplacePass(), *get_custom_graph_passes(user)]
+
+
+class _Chain(ReinplacePass):
+    """reinplace, then one user pass (torch versions without pass lists)."""
+
+    def __init__(self, then):
+        self.then = then
+
+    def __call__(self, graph: fx.Graph) -> None:
+        reinplace(graph)
+        self.then(graph)
+
+    def uuid(self):
+        theirs = self.then.uuid() if isinstance(self.then, CustomGraphPass) else None
+        return None if theirs is None else (super().uuid(), theirs)  # None: uncached, as their pass alone

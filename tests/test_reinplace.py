@@ -1,0 +1,182 @@
+"""fxfuse.reinplace: gated-MLP gradients written over buffers the backward graph no longer reads.
+
+The *_into kernels with each output over the input it is computed from (Triton under the
+interpreter) give the functional op's bits; the pass on traced backward graphs places a gradient
+only over fresh storage nobody reads afterwards, and the rewritten graph computes what it did; a
+checkpointed HF Llama compiled with Inductor places both gradients of every layer (one without
+checkpointing) and keeps eager's loss and gradients.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+import fxfuse.kernels.clamped_swiglu  # noqa: E402,F401
+import fxfuse.kernels.swiglu  # noqa: E402,F401
+from fxfuse.options import Options  # noqa: E402
+from fxfuse.reinplace import ReinplacePass, reinplace  # noqa: E402
+from tests.helpers import batch, hf_model, loss_and_grads, rel_err  # noqa: E402
+
+OPS = torch.ops.fxfuse
+SHAPES = [(1, 7), (199, 33), (3, 5, 130), (4, 1100)]
+
+
+def _rand(shape, dtype, seed):
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
+
+
+def _backward(kind, dout, gate, up, need):
+    if kind == "swiglu":
+        return OPS.swiglu_backward(dout, gate, up, "silu", *need)
+    return OPS.clamped_swiglu_backward(dout, gate, up, 1.702, 7.0, *need)
+
+
+def _backward_into(kind, dout, gate, up, dgate, dup, need):
+    if kind == "swiglu":
+        return OPS.swiglu_backward_into(dout, gate, up, "silu", dgate, dup, *need)
+    return OPS.clamped_swiglu_backward_into(dout, gate, up, 1.702, 7.0, dgate, dup, *need)
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
+def test_into_over_its_inputs_matches_the_functional_op(kind, shape, dtype, need):
+    gate, up, dout = (_rand(shape, dtype, s) for s in range(3))
+    dgate, dup = _backward(kind, dout, gate, up, need)
+    g, d = gate.clone(), dout.clone()
+    empty = gate.new_empty(0)
+    _backward_into(kind, d, g, up, g if need[0] else empty, d if need[1] else empty, need)
+    assert torch.equal(g, dgate if need[0] else gate)
+    assert torch.equal(d, dup if need[1] else dout)
+
+
+N, H, I = 12, 8, 6
+
+
+def _weights():
+    return [_rand(s, torch.float32, k) for k, s in enumerate([(N, H), (I, H), (I, H), (H, I), (N, H)])]
+
+
+def _layer(body):
+    """A checkpointed MLP layer's backward as the partitioner writes it: gate and up recomputed
+    from x, dh from dy; body(dh, gate, up) -> what the graph returns."""
+    def f(x, wg, wu, wd, dy):
+        gate, up, dh = torch.mm(x, wg.t()), torch.mm(x, wu.t()), torch.mm(dy, wd)
+        return body(dh, gate, up, x, wg, wu)
+    return f
+
+
+def _tail(dgate, dup, x, wg, wu):
+    return torch.mm(dgate, wg) + torch.mm(dup, wu), torch.mm(dgate.t(), x)
+
+
+def _plain(dh, gate, up, x, wg, wu):
+    return _tail(*OPS.swiglu_backward(dh, gate, up, "silu", True, True), x, wg, wu)
+
+
+def _gate_read_after(dh, gate, up, x, wg, wu):
+    return (*_plain(dh, gate, up, x, wg, wu), gate * 2)
+
+
+def _gate_view_read_after(dh, gate, up, x, wg, wu):
+    flat = gate.view(-1)  # a view taken before the call, read after it
+    return (*_plain(dh, gate, up, x, wg, wu), flat + 1)
+
+
+def _dh_returned(dh, gate, up, x, wg, wu):
+    return (*_plain(dh, gate, up, x, wg, wu), dh)
+
+
+def _dup_only(dh, gate, up, x, wg, wu):
+    _, dup = OPS.swiglu_backward(dh, gate, up, "silu", False, True)
+    return torch.mm(dup, wu), torch.mm(dup.t(), x)
+
+
+def _packed(dh, gate, up, x, wg, wu):  # gate and up as halves of one matmul: not contiguous
+    g, u = torch.cat([gate, up], dim=1).mm(torch.eye(2 * I)).chunk(2, dim=1)
+    return _plain(dh, g, u, x, wg, wu)
+
+
+def _clamped(dh, gate, up, x, wg, wu):
+    return _tail(*OPS.clamped_swiglu_backward(dh, gate, up, 1.702, 7.0, True, True), x, wg, wu)
+
+
+@pytest.mark.parametrize("body,placed", [
+    (_plain, 2), (_clamped, 2), (_gate_read_after, 1), (_gate_view_read_after, 1), (_dh_returned, 1),
+    (_dup_only, 1), (_packed, 1),
+])
+def test_pass_places_only_over_dead_fresh_buffers(body, placed):
+    f, args = _layer(body), _weights()
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    expected = gm(*args)
+    assert reinplace(gm.graph) == placed
+    gm.recompile()
+    intos = [n for n in gm.graph.nodes if "backward_into" in str(n.target)]
+    assert len(intos) == 1 and not any(str(n.target).endswith("_backward.default") for n in gm.graph.nodes)
+    got = gm(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_pass_leaves_graph_inputs_alone():
+    """Without checkpointing gate and up are saved tensors (backward graph inputs): never
+    overwritten; dh, a matmul of the graph, takes dup."""
+    def f(gate, up, dy, wd, wu):
+        dgate, dup = OPS.swiglu_backward(torch.mm(dy, wd), gate, up, "silu", True, True)
+        return dgate * 1, torch.mm(dup, wu)
+
+    args = [_rand(s, torch.float32, k) for k, s in enumerate([(N, I), (N, I), (N, H), (H, I), (I, H)])]
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    expected = gm(*args)
+    saved = [a.clone() for a in args]
+    assert reinplace(gm.graph) == 1
+    gm.recompile()
+    assert all(torch.equal(a, b) for a, b in zip(gm(*args), expected))
+    assert all(torch.equal(a, b) for a, b in zip(args, saved))
+
+
+def _compiled_llama(checkpointing: bool, options: dict):
+    model = hf_model("llama", num_hidden_layers=2)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    inputs = batch()
+    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model), inputs)
+    torch._dynamo.reset()
+    counters["fxfuse"].clear()
+    compiled = torch.compile(model, backend="fxfuse", options={"inner": "inductor", **options})
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cache hit would skip the pass
+        loss, grads = loss_and_grads(model, inputs, call=compiled)
+    worst = max(rel_err(grads[k], ref_grads[k]) for k in ref_grads)
+    return counters["fxfuse"]["gradients_in_place"], rel_err(loss, ref_loss), worst
+
+
+@pytest.mark.parametrize("checkpointing,placed", [(True, 4), (False, 2)])
+def test_llama_inductor_places_gradients_with_parity(checkpointing, placed):
+    n, loss_err, grad_err = _compiled_llama(checkpointing, {})
+    assert n == placed and loss_err < 1e-5 and grad_err < 1e-5
+
+
+def test_option_off_and_user_pass_kept():
+    """A user's post-grad pass given in inductor_config runs after fxfuse's, on the backward graph
+    too (AOTAutograd compiles it at the first backward, after fxfuse's compile call has returned:
+    the options travel as compile_fx's config_patches); inplace_backward=False places nothing."""
+    seen = []
+
+    class Mine(ReinplacePass):  # a user's own post-grad pass: still runs, after fxfuse's
+        def __call__(self, graph):
+            seen.append(sum(1 for n in graph.nodes if "backward_into" in str(n.target)))
+
+    n, loss_err, grad_err = _compiled_llama(True, {"inductor_config": {"post_grad_custom_post_pass": Mine()}})
+    assert n == 4 and 2 in seen and loss_err < 1e-5 and grad_err < 1e-5
+    n, loss_err, grad_err = _compiled_llama(True, {"inplace_backward": False})
+    assert n == 0 and loss_err < 1e-5 and grad_err < 1e-5
+    assert "post_grad_custom_post_pass" not in Options.parse({"inplace_backward": False}).inductor_patches()
+    with pytest.raises(ValueError, match="inplace_backward"):
+        Options.parse({"inplace_backward": "yes"})
