@@ -27,6 +27,7 @@ import operator
 import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 log = logging.getLogger("fxfuse")
 
@@ -84,8 +85,6 @@ def _family(base: fx.Node) -> set[fx.Node]:
 
 
 def _contiguous(t: torch.Tensor) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     expected = 1
     for size, stride in reversed(list(zip(t.shape, t.stride()))):
         if not statically_known_true(size == 1) and not statically_known_true(stride == expected):
@@ -95,8 +94,6 @@ def _contiguous(t: torch.Tensor) -> bool:
 
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
 
 
@@ -175,16 +172,21 @@ def reinplace(graph: fx.Graph) -> int:
     return placed
 
 
+@functools.cache
+def _source_hash() -> str:
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 class ReinplacePass(CustomGraphPass):
-    """reinplace as an Inductor custom pass; its uuid (this file's hash) keys Inductor's FX graph
-    cache, so graphs compiled with it stay cacheable."""
+    """reinplace as an Inductor custom pass; its uuid (this file's hash, read once per process)
+    keys Inductor's FX graph cache, so graphs compiled with it stay cacheable."""
 
     def __call__(self, graph: fx.Graph) -> None:
         reinplace(graph)
 
     def uuid(self) -> str:
-        with open(__file__, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
+        return _source_hash()
 
 
 def post_grad_passes(user):
