@@ -53,8 +53,12 @@ def inline_checkpoints(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
             break
         for call in calls:
             regions += 1
+            body = call.args[0]
             _inline(root, call, regions, CheckpointPolicy.PREFER_RECOMPUTE)
-    root.graph.eliminate_dead_code()
+            if not body.users:
+                root.graph.erase_node(body)
+    # No eliminate_dead_code: at this (torch) level an in-place method whose result is unused
+    # (``out.add_(bias)``, gpt-oss's experts) counts as dead to FX, and removing it drops the op
     root.delete_all_unused_submodules()
     root.recompile()
     return root, regions

@@ -132,16 +132,62 @@ def test_inline_leaves_the_dynamo_graph_alone_and_tags_each_region():
     assert all(getattr(n.target, "__name__", "") != "tag_activation_checkpoint" for n in out.graph.nodes)
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "qwen3", "phi3", "mixtral", "gpt_neox", "olmo2"])
+class _AddInPlace(torch.nn.Module):
+    """A layer adding its bias in place, the result of add_ unused (as gpt-oss's experts do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8, bias=False)
+        self.bias = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        h = self.lin(x)
+        h.add_(self.bias)
+        return torch.relu(h)
+
+
+def test_in_place_op_with_unused_result_in_a_region_is_kept():
+    """Inlining a region once ran FX's dead-code elimination over Dynamo's graph, which counts an
+    in-place method whose result nobody reads as dead: the bias add vanished (wrong loss, no bias
+    gradient; seen on gpt-oss's experts under checkpointing)."""
+    torch.manual_seed(0)
+    layer = _AddInPlace()
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def f(layer, x):
+        return checkpoint(layer, x, use_reentrant=False).square().sum()
+
+    ref = f(layer, x)
+    ref_grads = torch.autograd.grad(ref, [x, *layer.parameters()])
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="fxfuse", options={"inner": "aot_eager"})(layer, x)
+    grads = torch.autograd.grad(got, [x, *layer.parameters()], allow_unused=True)
+    assert rel_err(got, ref) < 1e-5
+    assert all(g is not None and rel_err(g, r) < 1e-5 for g, r in zip(grads, ref_grads))
+
+
+def _random_biases(model: torch.nn.Module) -> torch.nn.Module:
+    """Biases drawn at random (HF initialises gpt-oss's expert biases to zero: a dropped bias add
+    would not change the loss)."""
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "qwen3", "phi3", "mixtral", "gpt_neox", "olmo2", "gpt_oss"])
 def test_checkpointed_architectures_fuse_as_without(model_type):
     """Across the zoo's spellings (Gemma2's four norms and softcaps, Qwen3's q/k norms, Phi-3's fused
-    gate_up, Mixtral's experts, NeoX's partial rotary, OLMo2's post-norms): checkpointing every
-    layer fuses the same sites as without it, with fp32 parity."""
+    gate_up, Mixtral's experts, NeoX's partial rotary, OLMo2's post-norms, gpt-oss's in-place expert
+    biases): checkpointing every layer fuses the same sites as without it, with fp32 parity (the
+    same parameters get a gradient: compiled_parity)."""
     from fxfuse.zoo import HF_ZOO
 
-    plain = hf_model(model_type, **HF_ZOO[model_type])
+    plain = _random_biases(hf_model(model_type, **HF_ZOO[model_type]))
     _, _, expected, _ = compiled_parity(plain, batch())
-    model = hf_model(model_type, **HF_ZOO[model_type])
+    model = _random_biases(hf_model(model_type, **HF_ZOO[model_type]))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     loss_err, grad_err, report, _ = compiled_parity(model, batch())
     assert not report.errors and report.counts() == expected.counts(), (report.errors, report.counts())
