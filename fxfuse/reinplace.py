@@ -9,9 +9,15 @@ This pass runs on Inductor's post-grad graphs (``post_grad_custom_post_pass``) a
 call by its ``*_into`` twin writing each gradient over the input it is computed from, when nothing
 reads that input afterwards: dgate over gate, dup over grad_out (three buffers alive, not five;
 without checkpointing gate and up are saved tensors, graph inputs, and only dup goes in place).
-Each output element depends on the input element it overwrites and is written by the program that
-reads it, so the kernels read before they write. Inductor orders every earlier read of a mutated
-buffer before the mutation.
+Each output element is written by the program that reads the input element it overwrites, and
+the kernels finish a tile's loads before its stores whenever an output shares an input's storage
+(a barrier, kernels/_gated.py). Inductor orders every earlier read of a mutated buffer before the
+mutation.
+
+The packed backwards (``fxfuse::swiglu_packed_backward``: gate and up as halves or interleaved
+columns of one gate_up, Phi-3, GLM, gpt-oss) write d gate_up over gate_up under the same rule,
+through ``*_packed_backward_into`` (dup there need not depend on the up element it overwrites:
+the barrier is what orders them).
 
 A buffer may be overwritten when it is fresh storage (an op that returns no alias of its inputs:
 not a graph input, not a view of one), when neither it nor any view of it is read after the call
@@ -34,15 +40,19 @@ log = logging.getLogger("fxfuse")
 
 @functools.cache
 def _twins() -> dict:
-    """functional backward -> (its *_into op, position of dgate / dup in the *_into arguments:
-    the functional call's position of need_dgate)."""
+    """functional backward -> (its *_into op, where the need flags sit in the functional call's
+    arguments: the *_into op takes dgate and dup there; None for a packed op, whose *_into twin
+    takes the same arguments and writes d gate_up over gate_up)."""
     import fxfuse.kernels.clamped_swiglu  # noqa: F401  (registers the ops)
     import fxfuse.kernels.swiglu  # noqa: F401
+    import fxfuse.kernels.swiglu_packed  # noqa: F401
 
     ops = torch.ops.fxfuse
     return {
         ops.swiglu_backward.default: (ops.swiglu_backward_into.default, 4),
         ops.clamped_swiglu_backward.default: (ops.clamped_swiglu_backward_into.default, 5),
+        ops.swiglu_packed_backward.default: (ops.swiglu_packed_backward_into.default, None),
+        ops.clamped_swiglu_packed_backward.default: (ops.clamped_swiglu_packed_backward_into.default, None),
     }
 
 
@@ -125,6 +135,56 @@ def _fresh_gradient(graph: fx.Graph, gate: fx.Node, need: bool, val) -> fx.Node:
     return d
 
 
+def _call_into(graph: fx.Graph, call: fx.Node, into, args: tuple) -> fx.Node:
+    """into(*args) inserted before call, with call's metadata (a mutating op: no value)."""
+    with graph.inserting_before(call):
+        new = graph.call_function(into, args, dict(call.kwargs))
+    new.meta = {**call.meta, "val": None}
+    if "eager_input_vals" in call.meta:  # Inductor pins the call's input layouts to these
+        new.meta["eager_input_vals"] = (
+            tuple(a.meta["val"] if isinstance(a, fx.Node) else a for a in new.args), dict(new.kwargs))
+    return new
+
+
+def _place_pair(graph: fx.Graph, call: fx.Node, into, at: int, order: dict) -> int:
+    """(dgate, dup) = call: dgate over gate, dup over grad_out, each where overwritable; returns how
+    many gradients were placed."""
+    if len(call.args) < at + 2:  # the flags given by keyword: not as fxfuse's autograd calls it
+        return 0
+    grad_out, gate, up = call.args[:3]
+    need = call.args[at:at + 2]
+    vals = call.meta.get("val") or (None, None)
+    outs = {k: u for u in call.users if u.target is operator.getitem for k in [u.args[1]]}
+    if len(outs) != len(call.users):
+        return 0
+    # dgate over gate, dup over grad_out: each output reads the input it overwrites
+    targets = [(gate, [grad_out, up]), (grad_out, [gate, up])]
+    over = [need[k] and overwritable(t, call, o, vals[k], order) for k, (t, o) in enumerate(targets)]
+    if not any(over):
+        return 0
+    with graph.inserting_before(call):
+        dst = [t if over[k] else _fresh_gradient(graph, gate, need[k], vals[k]) for k, (t, _) in enumerate(targets)]
+    new = _call_into(graph, call, into, (*call.args[:at], *dst, *call.args[at:]))
+    for d in (*dst, new):
+        order.setdefault(d, order[call])
+    for k, user in outs.items():
+        user.replace_all_uses_with(dst[k])
+        graph.erase_node(user)
+    graph.erase_node(call)
+    return sum(over)
+
+
+def _place_packed(graph: fx.Graph, call: fx.Node, into, order: dict) -> int:
+    """d gate_up = call: over gate_up (argument 1) when overwritable; returns 1 if placed, else 0."""
+    grad_out, gate_up = call.args[:2]
+    if not overwritable(gate_up, call, [grad_out], call.meta.get("val"), order):
+        return 0
+    order[_call_into(graph, call, into, call.args)] = order[call]
+    call.replace_all_uses_with(gate_up)
+    graph.erase_node(call)
+    return 1
+
+
 def reinplace(graph: fx.Graph) -> int:
     """Rewrite every gated backward call whose gradients can go in place; returns how many
     gradients were placed over an input."""
@@ -136,34 +196,7 @@ def reinplace(graph: fx.Graph) -> int:
     placed = 0
     for call in calls:
         into, at = twins[call.target]
-        if len(call.args) < at + 2:  # the flags given by keyword: not as fxfuse's autograd calls it
-            continue
-        grad_out, gate, up = call.args[:3]
-        need = call.args[at:at + 2]
-        vals = call.meta.get("val") or (None, None)
-        outs = {k: u for u in call.users if u.target is operator.getitem for k in [u.args[1]]}
-        if len(outs) != len(call.users):
-            continue
-        # dgate over gate, dup over grad_out: each output reads the input it overwrites
-        targets = [(gate, [grad_out, up]), (grad_out, [gate, up])]
-        over = [need[k] and overwritable(t, call, o, vals[k], order) for k, (t, o) in enumerate(targets)]
-        if not any(over):
-            continue
-        with graph.inserting_before(call):
-            dst = [t if over[k] else _fresh_gradient(graph, gate, need[k], vals[k])
-                   for k, (t, _) in enumerate(targets)]
-            new = graph.call_function(into, (*call.args[:at], *dst, *call.args[at:]), dict(call.kwargs))
-            new.meta = {**call.meta, "val": None}
-            if "eager_input_vals" in call.meta:  # Inductor pins the call's input layouts to these
-                new.meta["eager_input_vals"] = (
-                    tuple(a.meta["val"] if isinstance(a, fx.Node) else a for a in new.args), dict(new.kwargs))
-        for d in (*dst, new):
-            order.setdefault(d, order[call])
-        for k, user in outs.items():
-            user.replace_all_uses_with(dst[k])
-            graph.erase_node(user)
-        graph.erase_node(call)
-        placed += sum(over)
+        placed += _place_packed(graph, call, into, order) if at is None else _place_pair(graph, call, into, at, order)
     if placed:
         log.debug("fxfuse.reinplace: %d gated-MLP gradients written over dead buffers", placed)
         from torch._dynamo.utils import counters

@@ -176,16 +176,28 @@ def _row_strides(t: torch.Tensor) -> tuple[int, int]:
     return (t.shape[-1], 1) if t.is_contiguous() else t.view(-1, t.shape[-1]).stride()
 
 
+def _overwrites(outs: tuple, ins: tuple) -> bool:
+    """An output shares storage with an input (fxfuse.reinplace's *_into calls). The kernel then
+    waits for all of a tile's loads before its stores: an output element need not depend on the
+    input element it overwrites (packed SwiGLU's dup over up), and Triton does not order one
+    thread's store after another thread's load of the same address."""
+    read = {t.untyped_storage().data_ptr() for t in ins}
+    return any(t.untyped_storage().data_ptr() in read for t in outs)
+
+
 def backward_args(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: torch.Tensor,
                   dup: torch.Tensor, need_dgate: bool, need_dup: bool) -> tuple[list, dict, int, int]:
     """The gated backward kernels' leading arguments (dout, gate, up, dgate, dup pointers, M, I and
-    their strides, in kernel order), their PAIR / OUT_PAIR constexprs, and M, I."""
+    their strides, in kernel order), their PAIR / OUT_PAIR / READ_BEFORE_WRITE constexprs, and M, I."""
     outs, out_code = out_pair(dgate, dup, need_dgate, need_dup)
     ins, pair_code = pair(rows(gate), rows(up))
     d2 = rows(grad_out)
     m, n = d2.shape
     args = [d2, *ins[:2], *outs[:2], m, n, *d2.stride(), *ins[2:], *outs[2:]]
-    return args, {"PAIR": pair_code, "OUT_PAIR": out_code}, m, n
+    written = tuple(t for t, need in ((dgate, need_dgate), (dup, need_dup)) if need)
+    layouts = {"PAIR": pair_code, "OUT_PAIR": out_code,
+               "READ_BEFORE_WRITE": _overwrites(written, (grad_out, gate, up))}
+    return args, layouts, m, n
 
 
 def _block_n(n_cols: int, max_tile: int) -> int:

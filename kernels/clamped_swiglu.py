@@ -3,7 +3,9 @@
 Shapes: gate, up: [..., I] (same shape and dtype), viewed as [M, I] rows with any row and column
 strides, so gpt-oss's interleaved ``gate_up[..., ::2]`` / ``gate_up[..., 1::2]`` are read in place;
 out: contiguous [..., I]. The backward kernel writes dgate and dup with one pair of strides: new
-contiguous tensors here, d gate_up's columns in fxfuse::clamped_swiglu_packed (swiglu_packed.py).
+contiguous tensors here, d gate_up's columns in fxfuse::clamped_swiglu_packed (swiglu_packed.py), or
+its own inputs in ``clamped_swiglu_backward_into`` (fxfuse.reinplace; loads before stores, as
+swiglu.py's backward).
 
 Forward (HF GptOssExperts._apply_gate; fp32 math, L = limit, a = alpha):
     g' = clamp(g, max=L)          u' = clamp(u, -L, L)
@@ -112,6 +114,7 @@ def _clamped_swiglu_bwd_kernel(
     limit,
     PAIR: tl.constexpr,  # gate / up layout, _gated.py
     OUT_PAIR: tl.constexpr,  # dgate / dup layout (paired: both needed)
+    READ_BEFORE_WRITE: tl.constexpr,  # an output overwrites an input: all loads before any store
     NEED_DGATE: tl.constexpr,
     NEED_DUP: tl.constexpr,
     ROUND: tl.constexpr,
@@ -140,6 +143,8 @@ def _clamped_swiglu_bwd_kernel(
             dz = round_to(ds * (1.0 - s) * s, ROUND, RNE_BY_BITS)
         d_sig = round_to(dz * alpha, ROUND, RNE_BY_BITS)
         dg = tl.where(g <= limit, d_direct + d_sig, 0.0)
+    if READ_BEFORE_WRITE:
+        tl.debug_barrier()
     store_pair(dgate_ptr, dup_ptr, dg, du, rows, pid_n, M, I, stride_om, stride_on, OUT_PAIR, NEED_DGATE, NEED_DUP,
                RNE_BY_BITS, BLOCK_M, BLOCK_N)
 

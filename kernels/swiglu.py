@@ -29,6 +29,8 @@ Layout (_gated.py): inputs are read as [M, I] rows with any row and column strid
 (``gate_up[..., ::2]``, ``[..., 1::2]``) as one contiguous tile; the output is contiguous. The
 backward kernel writes dgate and dup with one pair of strides, or as one interleaved tile: new
 contiguous tensors here, the columns of one d gate_up in fxfuse::swiglu_packed (swiglu_packed.py).
+``swiglu_backward_into`` may write them over its own inputs (fxfuse.reinplace: dgate over gate, dup
+over grad_out or up); each program then finishes its tile's loads before its stores (a barrier).
 """
 from __future__ import annotations
 
@@ -130,6 +132,7 @@ def _swiglu_bwd_kernel(
     stride_on,
     PAIR: tl.constexpr,  # gate / up layout, _gated.py
     OUT_PAIR: tl.constexpr,  # dgate / dup layout (paired: both needed)
+    READ_BEFORE_WRITE: tl.constexpr,  # an output overwrites an input: all loads before any store
     ACT: tl.constexpr,
     NEED_DGATE: tl.constexpr,
     NEED_DUP: tl.constexpr,
@@ -146,6 +149,8 @@ def _swiglu_bwd_kernel(
     a, da = _act_and_grad(g, ACT, NEED_DGATE)
     dg = round_to(dout * u, ROUND_ACT, RNE_BY_BITS) * da  # 0 unless NEED_DGATE (da, u)
     du = dout * round_to(a, ROUND_ACT, RNE_BY_BITS)
+    if READ_BEFORE_WRITE:
+        tl.debug_barrier()
     store_pair(dgate_ptr, dup_ptr, dg, du, rows, pid_n, M, I, stride_om, stride_on, OUT_PAIR, NEED_DGATE, NEED_DUP,
                RNE_BY_BITS, BLOCK_M, BLOCK_N)
 

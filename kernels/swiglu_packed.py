@@ -13,6 +13,10 @@ the backward kernel stores dgate and dup straight into its columns. The unpacked
 and dup as two tensors that autograd then scatters into gate_up's gradient (cat or two
 slice_backward + add): one more read and write of 2I per row, and dgate, dup and d gate_up alive
 at once. Only gate_up is saved for backward, as the unpacked ops save its two views.
+
+The ``*_packed_backward_into`` twins take the functional backward's arguments and write d gate_up
+over gate_up itself (fxfuse.reinplace, when nothing reads gate_up afterwards: under activation
+checkpointing, where gate_up is recomputed in the backward graph).
 """
 from __future__ import annotations
 
@@ -43,12 +47,20 @@ _lib.define(
     "bool round_act=False) -> Tensor"
 )
 _lib.define(
+    "swiglu_packed_backward_into(Tensor grad_out, Tensor(a!) gate_up, str act, bool interleaved, bool up_first, "
+    "bool round_act=False) -> ()"
+)
+_lib.define(
     "clamped_swiglu_packed(Tensor gate_up, float alpha, float limit, bool interleaved, bool up_first, "
     "bool round_act=False) -> Tensor"
 )
 _lib.define(
     "clamped_swiglu_packed_backward(Tensor grad_out, Tensor gate_up, float alpha, float limit, bool interleaved, "
     "bool up_first, bool round_act=False) -> Tensor"
+)
+_lib.define(
+    "clamped_swiglu_packed_backward_into(Tensor grad_out, Tensor(a!) gate_up, float alpha, float limit, "
+    "bool interleaved, bool up_first, bool round_act=False) -> ()"
 )
 
 
@@ -67,6 +79,13 @@ def swiglu_packed_backward(grad_out: torch.Tensor, gate_up: torch.Tensor, act: s
     return grad
 
 
+def swiglu_packed_backward_into(grad_out: torch.Tensor, gate_up: torch.Tensor, act: str, interleaved: bool,
+                                up_first: bool, round_act: bool = False) -> None:
+    """d gate_up written over gate_up: each program reads its tile of gate and up before it stores."""
+    gate, up = split_packed(gate_up, interleaved, up_first)
+    swiglu_backward_into(grad_out, gate, up, act, gate, up, True, True, round_act)
+
+
 def clamped_swiglu_packed(gate_up: torch.Tensor, alpha: float, limit: float, interleaved: bool, up_first: bool,
                           round_act: bool = False) -> torch.Tensor:
     """gpt-oss's clamped SwiGLU of gate_up's two halves; out: contiguous [..., I]."""
@@ -83,11 +102,20 @@ def clamped_swiglu_packed_backward(grad_out: torch.Tensor, gate_up: torch.Tensor
     return grad
 
 
+def clamped_swiglu_packed_backward_into(grad_out: torch.Tensor, gate_up: torch.Tensor, alpha: float, limit: float,
+                                        interleaved: bool, up_first: bool, round_act: bool = False) -> None:
+    """d gate_up written over gate_up, as swiglu_packed_backward_into."""
+    gate, up = split_packed(gate_up, interleaved, up_first)
+    clamped_swiglu_backward_into(grad_out, gate, up, alpha, limit, gate, up, True, True, round_act)
+
+
 for _key in ("CPU", "CUDA"):  # plain Library registration, as fxfuse::swiglu (host time per call)
     _lib.impl("swiglu_packed", swiglu_packed, _key)
     _lib.impl("swiglu_packed_backward", swiglu_packed_backward, _key)
     _lib.impl("clamped_swiglu_packed", clamped_swiglu_packed, _key)
     _lib.impl("clamped_swiglu_packed_backward", clamped_swiglu_packed_backward, _key)
+    _lib.impl("swiglu_packed_backward_into", swiglu_packed_backward_into, _key)
+    _lib.impl("clamped_swiglu_packed_backward_into", clamped_swiglu_packed_backward_into, _key)
 
 
 @torch.library.register_fake("fxfuse::swiglu_packed", lib=_lib)
@@ -112,6 +140,17 @@ def _(gate_up, alpha, limit, interleaved, up_first, round_act=False):
 @torch.library.register_fake("fxfuse::clamped_swiglu_packed_backward", lib=_lib)
 def _(grad_out, gate_up, alpha, limit, interleaved, up_first, round_act=False):
     return gate_up.new_empty(gate_up.shape)
+
+
+@torch.library.register_fake("fxfuse::swiglu_packed_backward_into", lib=_lib)
+def _(grad_out, gate_up, act, interleaved, up_first, round_act=False):
+    _check_act(act)
+    split_packed(gate_up, interleaved, up_first)
+
+
+@torch.library.register_fake("fxfuse::clamped_swiglu_packed_backward_into", lib=_lib)
+def _(grad_out, gate_up, alpha, limit, interleaved, up_first, round_act=False):
+    _check_clamped(*split_packed(gate_up, interleaved, up_first), limit)
 
 
 _SWIGLU = torch.ops.fxfuse.swiglu_packed.default

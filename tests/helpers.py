@@ -20,6 +20,17 @@ def hf_model(model_type: str, dtype=torch.float32, seed: int = 0, **overrides) -
     return AutoModelForCausalLM.from_config(cfg).to(dtype)
 
 
+def random_biases(model: nn.Module, seed: int = 3) -> nn.Module:
+    """model with every bias drawn at random (HF initialises some to zero, gpt-oss's expert biases
+    among them: a dropped bias add would then change neither the loss nor any other gradient)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
 def batch(vocab: int = 96, b: int = 2, t: int = 9, seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (b, t), generator=g)

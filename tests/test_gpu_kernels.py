@@ -81,6 +81,28 @@ def test_backward_into_its_own_inputs(act, shape):
     assert torch.equal(gate2, dgate) and torch.equal(dout2, dup)
 
 
+@pytest.mark.parametrize("act", ("silu", "gelu", "clamped"))
+@pytest.mark.parametrize("layout", [(False, False), (True, False), (True, True)])  # interleaved, up_first
+@pytest.mark.parametrize("shape", [(1, 14), (199, 2060), (4096, 11008)])
+def test_packed_backward_into_its_gate_up(act, layout, shape):
+    """fxfuse.reinplace's packed *_into ops: d gate_up over gate_up, where dup need not depend on
+    the up element it overwrites (the kernels' barrier orders a tile's loads before its stores):
+    the functional backward's bits."""
+    import fxfuse.kernels.swiglu_packed  # noqa: F401
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    gate_up = (torch.randn(shape, device="cuda", generator=g) * 2).bfloat16()
+    dout = (torch.randn((shape[0], shape[1] // 2), device="cuda", generator=g) * 2).bfloat16()
+    ops = torch.ops.fxfuse
+    if act == "clamped":
+        expected = ops.clamped_swiglu_packed_backward(dout, gate_up, 1.702, 7.0, *layout)
+        ops.clamped_swiglu_packed_backward_into(dout, gate_up, 1.702, 7.0, *layout)
+    else:
+        expected = ops.swiglu_packed_backward(dout, gate_up, act, *layout)
+        ops.swiglu_packed_backward_into(dout, gate_up, act, *layout)
+    assert torch.equal(gate_up, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 7), (333, 777), (4096, 2880)])  # 2880: gpt-oss-20b's expert width
 def test_clamped_swiglu_rounds_like_eager(dtype, shape):

@@ -4,7 +4,7 @@ The *_into kernels with each output over the input it is computed from (Triton u
 interpreter) give the functional op's bits; the pass on traced backward graphs places a gradient
 only over fresh storage nobody reads afterwards, and the rewritten graph computes what it did; a
 checkpointed HF Llama compiled with Inductor places both gradients of every layer (one without
-checkpointing) and keeps eager's loss and gradients.
+checkpointing), Phi-3 and gpt-oss their packed d gate_up, and all keep eager's loss and gradients.
 """
 import os
 
@@ -21,7 +21,7 @@ import fxfuse.kernels.clamped_swiglu  # noqa: E402,F401
 import fxfuse.kernels.swiglu  # noqa: E402,F401
 from fxfuse.options import Options  # noqa: E402
 from fxfuse.reinplace import ReinplacePass, reinplace  # noqa: E402
-from tests.helpers import batch, hf_model, loss_and_grads, rel_err  # noqa: E402
+from tests.helpers import batch, hf_model, loss_and_grads, random_biases, rel_err  # noqa: E402
 
 OPS = torch.ops.fxfuse
 SHAPES = [(1, 7), (199, 33), (3, 5, 130), (4, 1100)]
@@ -55,6 +55,31 @@ def test_into_over_its_inputs_matches_the_functional_op(kind, shape, dtype, need
     _backward_into(kind, d, g, up, g if need[0] else empty, d if need[1] else empty, need)
     assert torch.equal(g, dgate if need[0] else gate)
     assert torch.equal(d, dup if need[1] else dout)
+
+
+def _packed_backward(kind, dout, gate_up, layout):
+    if kind == "swiglu":
+        return OPS.swiglu_packed_backward(dout, gate_up, "silu", *layout)
+    return OPS.clamped_swiglu_packed_backward(dout, gate_up, 1.702, 7.0, *layout)
+
+
+def _packed_backward_into(kind, dout, gate_up, layout):
+    if kind == "swiglu":
+        return OPS.swiglu_packed_backward_into(dout, gate_up, "silu", *layout)
+    return OPS.clamped_swiglu_packed_backward_into(dout, gate_up, 1.702, 7.0, *layout)
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("shape", [(1, 14), (199, 66), (3, 5, 260)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", [(False, False), (False, True), (True, False), (True, True)])  # interleaved, up_first
+def test_packed_into_over_gate_up_matches_the_functional_op(kind, shape, dtype, layout):
+    """d gate_up written over gate_up (halves or interleaved columns, gate first or up first)."""
+    gate_up, dout = _rand(shape, dtype, 0), _rand((*shape[:-1], shape[-1] // 2), dtype, 1)
+    expected = _packed_backward(kind, dout, gate_up, layout)
+    gu = gate_up.clone()
+    _packed_backward_into(kind, dout, gu, layout)
+    assert torch.equal(gu, expected)
 
 
 N, H, I = 12, 8, 6
@@ -124,6 +149,28 @@ def test_pass_places_only_over_dead_fresh_buffers(body, placed):
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
+@pytest.mark.parametrize("kind", ["swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("read_after", [False, True])
+def test_pass_places_packed_gradient_over_a_dead_gate_up(kind, interleaved, read_after):
+    """A packed backward (Phi-3's halves, gpt-oss's interleaved columns) on a gate_up recomputed in
+    the graph: d gate_up goes over it, unless gate_up is read afterwards."""
+    def f(x, wg, wu, wd, dy):
+        w = torch.cat([wg, wu])  # [2I, H]
+        gate_up = torch.mm(x, w.t())
+        d = _packed_backward(kind, torch.mm(dy, wd), gate_up, (interleaved, False))
+        out = torch.mm(d, w), torch.mm(d.t(), x)
+        return (*out, gate_up * 2) if read_after else out
+
+    args = _weights()
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    expected = gm(*args)
+    assert reinplace(gm.graph) == (0 if read_after else 1)
+    gm.recompile()
+    assert sum("packed_backward_into" in str(n.target) for n in gm.graph.nodes) == (0 if read_after else 1)
+    assert all(torch.equal(a, b) for a, b in zip(gm(*args), expected))
+
+
 def test_pass_leaves_graph_inputs_alone():
     """Without checkpointing gate and up are saved tensors (backward graph inputs): never
     overwritten; dh, a matmul of the graph, takes dup."""
@@ -141,8 +188,10 @@ def test_pass_leaves_graph_inputs_alone():
     assert all(torch.equal(a, b) for a, b in zip(args, saved))
 
 
-def _compiled_llama(checkpointing: bool, options: dict):
-    model = hf_model("llama", num_hidden_layers=2)
+def _compiled_llama(checkpointing: bool, options: dict, model_type: str = "llama"):
+    from fxfuse.zoo import HF_ZOO
+
+    model = random_biases(hf_model(model_type, **{**HF_ZOO.get(model_type, {}), "num_hidden_layers": 2}))
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -161,6 +210,14 @@ def _compiled_llama(checkpointing: bool, options: dict):
 def test_llama_inductor_places_gradients_with_parity(checkpointing, placed):
     n, loss_err, grad_err = _compiled_llama(checkpointing, {})
     assert n == placed and loss_err < 1e-5 and grad_err < 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "gpt_oss"])
+def test_packed_models_place_d_gate_up_under_checkpointing(model_type):
+    """Phi-3 (halves, SiLU) and gpt-oss (interleaved, clamped): each checkpointed layer's d gate_up
+    is written over its recomputed gate_up; eager's loss and every gradient kept."""
+    n, loss_err, grad_err = _compiled_llama(True, {}, model_type)
+    assert n == 2 and loss_err < 1e-5 and grad_err < 1e-5
 
 
 def test_option_off_and_user_pass_kept():
