@@ -6,8 +6,6 @@ on CPU tensors when ``TRITON_INTERPRET=1`` (tests); otherwise CPU tensors take t
 reference path at the bottom of each kernel file.
 """
 
-import sys as _sys
-
 if __name__ == "kernels":  # this folder imported under its own name: a checkout's root is on sys.path
     def _installed_kernels() -> None:
         """The source tree's ``kernels/`` folder (installed as ``fxfuse.kernels``) shadows the
@@ -17,14 +15,15 @@ if __name__ == "kernels":  # this folder imported under its own name: a checkout
         import importlib.machinery
         import importlib.util
         import os
+        import sys
 
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        path = [p for p in _sys.path if os.path.abspath(p or os.curdir) != here]
+        path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
         spec = importlib.machinery.PathFinder.find_spec("kernels", path)
         if spec is None or spec.loader is None:
             return
         module = importlib.util.module_from_spec(spec)
-        _sys.modules["kernels"] = module  # the import statement returns what sys.modules holds
+        sys.modules["kernels"] = module  # the import statement returns what sys.modules holds
         spec.loader.exec_module(module)
 
     _installed_kernels()

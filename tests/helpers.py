@@ -80,6 +80,22 @@ def compiled_parity(model: nn.Module, inputs: dict, inner: str = "aot_eager", lo
     return rel_err(loss, ref_loss), worst, report, sorted(ref_grads)
 
 
+def inductor_in_place(model: nn.Module, inputs: dict, options: dict | None = None) -> tuple[int, float, float]:
+    """(gradients fxfuse.reinplace placed over dead buffers, loss rel err, worst grad rel err) of model
+    compiled with fxfuse under Inductor, against eager on a copy. Inductor's caches are off: a cache
+    hit would skip the pass."""
+    from torch._dynamo.utils import counters
+
+    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model), inputs)
+    torch._dynamo.reset()
+    counters["fxfuse"].clear()
+    compiled = torch.compile(model, backend="fxfuse", options={"inner": "inductor", **(options or {})})
+    with torch._inductor.config.patch(force_disable_caches=True):
+        loss, grads = loss_and_grads(model, inputs, call=compiled)
+    worst = max(rel_err(grads[k], ref_grads[k]) for k in ref_grads)
+    return counters["fxfuse"]["gradients_in_place"], rel_err(loss, ref_loss), worst
+
+
 def flat_grads(grads: dict) -> torch.Tensor:
     return torch.cat([grads[k].double().flatten() for k in sorted(grads)])
 

@@ -10,18 +10,15 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import copy  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 import fxfuse.kernels.clamped_swiglu  # noqa: E402,F401
 import fxfuse.kernels.swiglu  # noqa: E402,F401
 from fxfuse.options import Options  # noqa: E402
 from fxfuse.reinplace import ReinplacePass, reinplace  # noqa: E402
-from tests.helpers import batch, hf_model, loss_and_grads, random_biases, rel_err  # noqa: E402
+from tests.helpers import batch, hf_model, inductor_in_place, random_biases  # noqa: E402
 
 OPS = torch.ops.fxfuse
 SHAPES = [(1, 7), (199, 33), (3, 5, 130), (4, 1100)]
@@ -195,15 +192,7 @@ def _compiled_llama(checkpointing: bool, options: dict, model_type: str = "llama
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    inputs = batch()
-    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model), inputs)
-    torch._dynamo.reset()
-    counters["fxfuse"].clear()
-    compiled = torch.compile(model, backend="fxfuse", options={"inner": "inductor", **options})
-    with torch._inductor.config.patch(force_disable_caches=True):  # a cache hit would skip the pass
-        loss, grads = loss_and_grads(model, inputs, call=compiled)
-    worst = max(rel_err(grads[k], ref_grads[k]) for k in ref_grads)
-    return counters["fxfuse"]["gradients_in_place"], rel_err(loss, ref_loss), worst
+    return inductor_in_place(model, batch(), options)
 
 
 @pytest.mark.parametrize("checkpointing,placed", [(True, 4), (False, 2)])
