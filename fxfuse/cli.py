@@ -40,6 +40,7 @@ def demo(args) -> int:
     import fxfuse
 
     from .harness import grad_error, rel_err, step
+    from .outside import Census
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
@@ -49,8 +50,9 @@ def demo(args) -> int:
     mine = copy.deepcopy(model)
     n0 = len(fxfuse.compiled_reports())
     compiled = torch.compile(mine, backend="fxfuse", options={"inner": args.inner})
-    loss, grads = step(mine, compiled, inputs)
-    report = fxfuse.Report.merge(fxfuse.compiled_reports()[n0:])
+    census = Census(mine)
+    loss, grads = step(mine, census.around(compiled), inputs)
+    report = census.apply(fxfuse.Report.merge(fxfuse.compiled_reports()[n0:]))
     print(report)
     worst = grad_error(grads, ref_grads)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .outside import Census
 from .report import PATTERN_NAMES, Report
 
 FP32_TOL = 1e-5
@@ -177,7 +178,7 @@ class Result:
     loss_err: float
     grad_err: float
     bf16_max_rel: float | None
-    reasons: dict[str, list[str]] = field(default_factory=dict)  # unmatched reasons per pattern
+    reasons: dict[str, list[str]] = field(default_factory=dict)  # unmatched reasons per pattern; "graph", "graph_breaks"
     fp64: list[str] = field(default_factory=list)  # tensors judged against an fp64 run (fp64_verdict)
     fp64_ok: bool = False
 
@@ -219,8 +220,9 @@ def check(name: str, build: Callable[[], nn.Module], inputs: dict, loss_of=lambd
     mine = copy.deepcopy(model)
     n0 = len(fxfuse.compiled_reports())
     compiled = torch.compile(mine, backend="fxfuse", options={"inner": inner})
-    loss, grads = step(mine, compiled, inputs, loss_of)
-    report = Report.merge(fxfuse.compiled_reports()[n0:])
+    census = Census(mine)
+    loss, grads = step(mine, census.around(compiled), inputs, loss_of)
+    report = census.apply(Report.merge(fxfuse.compiled_reports()[n0:]))
     loss_err, grad_err = rel_err(loss, ref_loss), grad_error(grads, ref_grads)
     fp64_ok, fp64 = False, []
     if not (loss_err < FP32_TOL and grad_err < FP32_TOL) and grads.keys() == ref_grads.keys():
@@ -237,4 +239,5 @@ def check(name: str, build: Callable[[], nn.Module], inputs: dict, loss_of=lambd
     for s in report.unmatched:
         reasons.setdefault(s.pattern, []).append(s.reason)
     reasons.update({"graph": report.errors} if report.errors else {})
+    reasons.update({"graph_breaks": report.graph_breaks} if report.graph_breaks else {})
     return Result(name, expected, report.counts(), loss_err, grad_err, bf16, reasons, fp64, fp64_ok)

@@ -24,7 +24,7 @@ class Site:
     source: str  # "file.py:123" of the user's line that produced the anchor node
     variant: str  # pattern function that matched, e.g. "rmsnorm_llama"; "" when none did
     reason: str = ""  # unmatched only: why the site stayed unfused
-    graph: int = 0  # index of the compiled graph (graph breaks give several)
+    graph: int = 0  # index of the compiled graph (graph breaks give several); -1: ran outside all of them
     nodes: list[str] = field(default_factory=list)  # FX nodes of the site (ATen graph)
     saved: str = ""  # matched only: how much the fusion stops writing per call, e.g. "6 tensors, 7.0 KiB"
     saved_tensors: list[str] = field(default_factory=list)  # matched only: "name:dtype[shape]" of each
@@ -44,6 +44,10 @@ class Report:
     attention: list[Site] = field(default_factory=list)
     # higher-order op calls kept as written through the re-trace (fxfuse/opaque.py), and where
     opaque: list[str] = field(default_factory=list)
+    # fxfuse.explain only (fxfuse/outside.py): Dynamo's graph breaks during the call, one line per
+    # reason, and the outermost module calls that ran eagerly, outside every compiled graph
+    graph_breaks: list[str] = field(default_factory=list)
+    outside: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         """Matched sites per pattern; every pattern name is present."""
@@ -52,11 +56,14 @@ class Report:
 
     def extend(self, other: Report) -> None:
         """Append other's sites (copies, graph indices shifted after this report's graphs)."""
-        self.matched += [replace(s, graph=s.graph + self.graphs) for s in other.matched]
-        self.unmatched += [replace(s, graph=s.graph + self.graphs) for s in other.unmatched]
-        self.attention += [replace(s, graph=s.graph + self.graphs) for s in other.attention]
+        shift = lambda s: replace(s, graph=s.graph + self.graphs if s.graph >= 0 else s.graph)  # noqa: E731
+        self.matched += map(shift, other.matched)
+        self.unmatched += map(shift, other.unmatched)
+        self.attention += map(shift, other.attention)
         self.errors += other.errors
         self.opaque += other.opaque
+        self.graph_breaks += [b for b in other.graph_breaks if b not in self.graph_breaks]
+        self.outside += other.outside
         self.graphs += other.graphs
 
     @classmethod
@@ -76,6 +83,8 @@ class Report:
                 "errors": self.errors,
                 "attention": [asdict(s) for s in self.attention],
                 "opaque": self.opaque,
+                "graph_breaks": self.graph_breaks,
+                "outside": self.outside,
             },
             indent=2,
         )
@@ -101,6 +110,9 @@ class Report:
         if left:
             lines.append(_table("attention masks kept", left, ("module", "source", "reason")))
         lines += [f"opaque: {o}" for o in self.opaque]
+        if self.outside:
+            lines.append("ran outside every compiled graph (eagerly, unfused): " + ", ".join(self.outside))
+        lines += [f"graph break: {b}" for b in self.graph_breaks]
         lines += [f"error: {e}" for e in self.errors]
         return "\n".join(lines)
 

@@ -140,7 +140,7 @@ def summary(r: Result) -> str:
                      f"{'ok' if r.bf16_ok else 'FAIL'}")
     for p, reasons in r.reasons.items():
         for reason in dict.fromkeys(reasons):
-            lines.append(f"  unfused {p}: {reason}")
+            lines.append(f"  {'graph break' if p == 'graph_breaks' else 'unfused ' + p}: {reason}")
     if r.bf16_max_rel is None and not (r.gaps or r.false_matches) and r.parity_ok:
         lines.append("  PASS (the bf16 training check was not run)")
         return "\n".join(lines)

@@ -1,0 +1,165 @@
+"""What ran outside every compiled graph (fxfuse/outside.py): ``fxfuse.explain`` names the graph
+breaks and lists the site modules that ran eagerly, unfused, as unmatched sites with a reason;
+without the census they were simply missing from the report.
+
+Two hand-written mechanisms: a ``torch.compiler.disable``d call of a norm, and transformers 5.25's
+(a checkpointed layer whose forward mutates an object from outside the checkpoint: Dynamo refuses
+the side effect inside the checkpoint call, so the whole layer runs eagerly).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import fxfuse
+from fxfuse.harness import check
+from fxfuse.outside import OUTSIDE_REASON, Census, break_line
+from tests.helpers import batch, hf_model
+from tests.models import TitanLM
+
+FULL = {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}  # TitanLM: 2 layers + norm + head
+
+
+@torch.compiler.disable
+def _eager_norm(norm, x):
+    return norm(x)
+
+
+class DisabledNormTitan(TitanLM):
+    """The final norm is called through a compiler-disabled function: a graph break."""
+
+    def forward(self, input_ids, labels=None):
+        x = self.tok_embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, self.freqs_cis[: input_ids.shape[1]])
+        logits = self.output(_eager_norm(self.norm, x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+class _Collector:
+    """Stands in for transformers 5.25's output collector (a context variable set in forward)."""
+
+    last = None
+
+
+COLLECT = _Collector()
+
+
+class SideEffectTitan(TitanLM):
+    """Every block checkpointed, and each block's forward records its input on an outside object."""
+
+    def forward(self, input_ids, labels=None):
+        x = self.tok_embeddings(input_ids)
+        freqs = self.freqs_cis[: input_ids.shape[1]]
+        for layer in self.layers:
+            x = checkpoint(self._block, layer, x, freqs, use_reentrant=False)
+        logits = self.output(self.norm(x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    @staticmethod
+    def _block(layer, x, freqs):
+        COLLECT.last = x.shape
+        return layer(x, freqs)
+
+
+def _titan(cls):
+    torch.manual_seed(0)
+    return cls()
+
+
+def test_no_graph_break_means_nothing_outside():
+    report = fxfuse.explain(_titan(TitanLM), **batch())
+    assert report.counts() == FULL and not report.unmatched
+    assert report.graph_breaks == [] and report.outside == []
+    assert "outside" not in str(report) and "graph break" not in str(report)
+
+
+def test_disabled_call_is_reported_outside_with_its_graph_break():
+    report = fxfuse.explain(_titan(DisabledNormTitan), **batch())
+    assert report.counts() == FULL | {"rms_norm": 4}  # the head's graph starts from the norm's output
+    outside = [s for s in report.unmatched if s.graph == -1]
+    assert [(s.pattern, s.module, s.reason) for s in outside] == [("rms_norm", "norm", OUTSIDE_REASON)]
+    assert outside[0].source.startswith("normalization.py:")  # nn.RMSNorm.forward
+    assert report.outside == ["norm (RMSNorm) x1"]
+    assert any("disable" in b.lower() for b in report.graph_breaks), report.graph_breaks
+    text = str(report)
+    assert "ran outside every compiled graph (eagerly, unfused): norm (RMSNorm) x1" in text
+    assert "graph break: " in text and OUTSIDE_REASON in text
+    assert "outside" in report.to_json() and "graph_breaks" in report.to_json()
+
+
+def test_checkpointed_side_effect_layers_are_reported_outside():
+    report = fxfuse.explain(_titan(SideEffectTitan), **batch())
+    outside = sorted((s.pattern, s.module) for s in report.unmatched if s.graph == -1)
+    # both blocks ran eagerly: their norms, and each block is a rope site (wq, wk) and a swiglu site (w1, w3)
+    assert outside == sorted([("rms_norm", f"layers.{i}.{n}") for i in (0, 1) for n in ("attention_norm", "ffn_norm")]
+                             + [(p, f"layers.{i}") for i in (0, 1) for p in ("rope", "swiglu")])
+    # the break sits in forward's loop, so Dynamo skips that whole frame: the final norm compiles as
+    # its own frame, the cross-entropy (no module) runs eagerly, and only the graph break says so
+    assert report.counts() == {"rms_norm": 1, "rope": 0, "swiglu": 0, "linear_cross_entropy": 0}
+    assert report.outside == ["layers.* (TitanBlock) x2"]
+    hop = [b for b in report.graph_breaks if b.startswith("HOP: ") and "side effect" in b]
+    assert hop and "frame skipped: forward" in hop[0], report.graph_breaks
+
+
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"),
+                    reason="this torch has no skip_fwd_side_effects_in_bwd_under_checkpoint")
+def test_dynamos_hint_brings_checkpointed_side_effect_layers_back():
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        report = fxfuse.explain(_titan(SideEffectTitan), **batch())
+    assert report.counts() == FULL and not report.unmatched and not report.outside
+
+
+def test_census_hooks_leave_the_graph_and_the_model_as_they_were():
+    model = _titan(TitanLM)
+    hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+    with Census(model) as census:
+        torch.compile(model, backend="aot_eager")(**batch())
+    assert census.eager == [] and sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks
+    eager_model = _titan(DisabledNormTitan)
+    with Census(eager_model) as census:
+        eager_model(**batch())  # not compiled at all: every module call is eager
+    # every module called once, eagerly; the ModuleList itself is never called
+    assert sorted(n for n, _ in census.eager) == sorted(n for n, _ in eager_model.named_modules() if n != "layers")
+    assert census.apply(fxfuse.Report()).outside == ["(root) (DisabledNormTitan) x1"]
+
+
+def test_harness_names_the_reason_of_a_gap_outside_any_graph():
+    result = check("disabled-norm", lambda: _titan(DisabledNormTitan), batch(), loss_of=lambda out: out,
+                   bf16_steps=0)
+    assert result.gaps == ["rms_norm"]
+    assert OUTSIDE_REASON in result.reasons["rms_norm"]
+    assert any("disable" in b.lower() for b in result.reasons["graph_breaks"])
+
+
+def test_break_line_keeps_headline_context_and_hint_only():
+    key = ("HOP: Unsafe side effect\n  Explanation: Mutating a variable.\n  Hint: try X.\n\n"
+           "  Developer debug context: Attempted to mutate Y\n\n For more details, please visit: https://x\n\n"
+           "*** While handling this graph break, another graph break occurred: ***\n\ngraph break in loop\n")
+    assert break_line(key) == ("HOP: Unsafe side effect [developer debug context: Attempted to mutate Y] [hint: try X.]"
+                               "; then: graph break in loop")
+    assert break_line("") == ""
+
+
+def test_hf_checkpointed_llama_reports_no_outside_site_when_all_fused():
+    model = hf_model("llama", num_hidden_layers=2)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    report = fxfuse.explain(copy.deepcopy(model), **batch())
+    # transformers < 5.25: every layer traced into the graph; >= 5.25 needs Dynamo's hint (README Limits)
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        hinted = fxfuse.explain(model, **batch())
+    for r in (report, hinted) if _transformers_below("5.25") else (hinted,):
+        assert r.counts() == FULL and not r.outside
+    if not _transformers_below("5.25"):
+        assert len([s for s in report.unmatched if s.graph == -1]) == 8  # 2 layers x (2 norms, rope, mlp)
+
+
+def _transformers_below(version: str) -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version(version)
