@@ -64,7 +64,8 @@ def sft(model, out: str, steps: int = 3, patch_options: dict | None = None):
                      dataloader_num_workers=0)  # TRL's default gradient_checkpointing=True: fused as well
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}),
                          processing_class=char_tokenizer())
-    trainer.train()
+    with fxfuse.skip_checkpoint_side_effect_replay():  # transformers >= 5.25: README, Limits
+        trainer.train()
     return trainer
 
 

@@ -3,11 +3,13 @@ traced model. ``torch.compile(model, backend="fxfuse")``; ``fxfuse.explain(model
 """
 from __future__ import annotations
 
+from .checkpoint import skip_checkpoint_side_effect_replay
 from .explain import explain
 from .patch import patch, patch_report
 from .report import PATTERN_NAMES, Report, Site
 
-__all__ = ["explain", "Report", "Site", "PATTERN_NAMES", "last_report", "compiled_reports", "patch", "patch_report"]
+__all__ = ["explain", "Report", "Site", "PATTERN_NAMES", "last_report", "compiled_reports", "patch", "patch_report",
+           "skip_checkpoint_side_effect_replay"]
 
 
 def last_report() -> Report:

@@ -228,7 +228,13 @@ class ModeUnavailable(RuntimeError):
 
 def enable_checkpointing(model) -> None:
     """Activation checkpointing of every decoder layer, non-reentrant (transformers >= 5.2x names it
-    activation_checkpointing_enable, earlier gradient_checkpointing_enable)."""
+    activation_checkpointing_enable, earlier gradient_checkpointing_enable). Under transformers >= 5.25
+    this process's Dynamo also traces checkpointed forwards with side effects (fxfuse/checkpoint.py),
+    for every compiled mode alike: without it each checkpointed layer runs eagerly in all of them."""
+    from .checkpoint import SKIP_REPLAY, checkpointed_side_effects_break
+
+    if checkpointed_side_effects_break() and hasattr(torch._dynamo.config, SKIP_REPLAY):
+        setattr(torch._dynamo.config, SKIP_REPLAY, True)  # for the rest of this process (a worker, a script)
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

@@ -96,3 +96,32 @@ def _inline(root: fx.GraphModule, call: fx.Node, region: int, policy) -> None:
     if call.users:  # the whole output used as one value
         call.replace_all_uses_with(result)
     root.graph.erase_node(call)
+
+
+SKIP_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
+def checkpointed_side_effects_break() -> bool:
+    """Whether HF models' checkpointed layers break Dynamo's graph: transformers >= 5.25 sets its
+    output collector (a context variable) inside the checkpointed forward, a side effect Dynamo
+    refuses there ("HOP: Unsafe side effect"), so every such layer runs eagerly, unfused, under any
+    backend. Dynamo's own remedy is its config ``skip_fwd_side_effects_in_bwd_under_checkpoint``
+    (the side effect runs in forward only, not again in the backward's recompute)."""
+    try:
+        import transformers
+    except ImportError:
+        return False
+    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
+    return (major, minor) >= (5, 25)
+
+
+def skip_checkpoint_side_effect_replay():
+    """A context in which Dynamo traces checkpointed forwards with side effects (the remedy above),
+    where this torch has the setting; a no-op context where it does not or none is needed. Not
+    applied by the backend itself: it changes what a checkpointed forward's recompute replays, a
+    choice the user makes (README, Limits)."""
+    import contextlib
+
+    if not (checkpointed_side_effects_break() and hasattr(torch._dynamo.config, SKIP_REPLAY)):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(**{SKIP_REPLAY: True})

@@ -132,7 +132,11 @@ def module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
-    path = list(stack.values())[-1][0]
+    paths = [v[0] for v in stack.values()]
+    # a module reached through a global (transformers >= 5.25 wraps apply_rotary_pos_emb in one,
+    # "G['__import_transformers_dot_...']") names no place in the model: the innermost local one does
+    local = [p for p in paths if not p.startswith("G[")]
+    path = (local or paths)[-1]
     path = _ROOT.sub("", path)
     return re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
 

@@ -217,3 +217,30 @@ def test_explain_command_prints_json(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["counts"] == {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}
     assert all(s["module"] or s["pattern"] == "linear_cross_entropy" for s in data["matched"])
+
+
+class _FuncModule(torch.nn.Module):
+    """A function wrapped in a module at global scope, as transformers >= 5.25 does to
+    apply_rotary_pos_emb (use_kernelized_func): Dynamo's module stack names it G['...']."""
+
+    def forward(self, x, weight):
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+GLOBAL_NORM = _FuncModule()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        return GLOBAL_NORM(x, self.weight)
+
+
+def test_site_module_is_the_model_module_not_a_global_one():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), _Block())
+    report = fxfuse.explain(model, torch.randn(3, 16))
+    assert [(s.pattern, s.module) for s in report.matched] == [("rms_norm", "1")]

@@ -23,6 +23,8 @@ from tests.helpers import (batch, compiled_parity, hf_model, inductor_in_place, 
                            saved_bytes)
 from tests.models import TitanLM
 
+pytestmark = pytest.mark.hf_checkpointing
+
 COUNTS = {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}  # 2 layers + final norm + head
 
 

@@ -95,6 +95,7 @@ def _sac_llama(policy):
     return model.train()
 
 
+@pytest.mark.hf_checkpointing
 def test_selective_checkpointing_keeps_its_policy_and_the_head_is_fused():
     inputs = batch()
     ref_loss, ref = loss_and_grads(hf_model("llama", num_hidden_layers=2), inputs)

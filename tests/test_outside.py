@@ -15,6 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import fxfuse
+from fxfuse.checkpoint import skip_checkpoint_side_effect_replay
 from fxfuse.harness import check
 from fxfuse.outside import OUTSIDE_REASON, Census, break_line
 from tests.helpers import batch, hf_model
@@ -150,7 +151,7 @@ def test_hf_checkpointed_llama_reports_no_outside_site_when_all_fused():
     model.train()
     report = fxfuse.explain(copy.deepcopy(model), **batch())
     # transformers < 5.25: every layer traced into the graph; >= 5.25 needs Dynamo's hint (README Limits)
-    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+    with skip_checkpoint_side_effect_replay():
         hinted = fxfuse.explain(model, **batch())
     for r in (report, hinted) if _transformers_below("5.25") else (hinted,):
         assert r.counts() == FULL and not r.outside

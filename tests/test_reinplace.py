@@ -195,12 +195,14 @@ def _compiled_llama(checkpointing: bool, options: dict, model_type: str = "llama
     return inductor_in_place(model, batch(), options)
 
 
+@pytest.mark.hf_checkpointing
 @pytest.mark.parametrize("checkpointing,placed", [(True, 4), (False, 2)])
 def test_llama_inductor_places_gradients_with_parity(checkpointing, placed):
     n, loss_err, grad_err = _compiled_llama(checkpointing, {})
     assert n == placed and loss_err < 1e-5 and grad_err < 1e-5
 
 
+@pytest.mark.hf_checkpointing
 @pytest.mark.parametrize("model_type", ["phi3", "gpt_oss"])
 def test_packed_models_place_d_gate_up_under_checkpointing(model_type):
     """Phi-3 (halves, SiLU) and gpt-oss (interleaved, clamped): each checkpointed layer's d gate_up
@@ -209,6 +211,7 @@ def test_packed_models_place_d_gate_up_under_checkpointing(model_type):
     assert n == 2 and loss_err < 1e-5 and grad_err < 1e-5
 
 
+@pytest.mark.hf_checkpointing
 def test_option_off_and_user_pass_kept():
     """A user's post-grad pass given in inductor_config runs after fxfuse's, on the backward graph
     too (AOTAutograd compiles it at the first backward, after fxfuse's compile call has returned:
