@@ -231,9 +231,9 @@ def enable_checkpointing(model) -> None:
     activation_checkpointing_enable, earlier gradient_checkpointing_enable). Under transformers >= 5.25
     this process's Dynamo also traces checkpointed forwards with side effects (fxfuse/checkpoint.py),
     for every compiled mode alike: without it each checkpointed layer runs eagerly in all of them."""
-    from .checkpoint import SKIP_REPLAY, checkpointed_side_effects_break
+    from .checkpoint import SKIP_REPLAY, remedy_applies
 
-    if checkpointed_side_effects_break() and hasattr(torch._dynamo.config, SKIP_REPLAY):
+    if remedy_applies():
         setattr(torch._dynamo.config, SKIP_REPLAY, True)  # for the rest of this process (a worker, a script)
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):

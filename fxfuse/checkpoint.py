@@ -115,6 +115,11 @@ def checkpointed_side_effects_break() -> bool:
     return (major, minor) >= (5, 25)
 
 
+def remedy_applies() -> bool:
+    """The remedy is needed (checkpointed_side_effects_break) and this torch has the setting."""
+    return checkpointed_side_effects_break() and hasattr(torch._dynamo.config, SKIP_REPLAY)
+
+
 def skip_checkpoint_side_effect_replay():
     """A context in which Dynamo traces checkpointed forwards with side effects (the remedy above),
     where this torch has the setting; a no-op context where it does not or none is needed. Not
@@ -122,6 +127,6 @@ def skip_checkpoint_side_effect_replay():
     choice the user makes (README, Limits)."""
     import contextlib
 
-    if not (checkpointed_side_effects_break() and hasattr(torch._dynamo.config, SKIP_REPLAY)):
+    if not remedy_applies():
         return contextlib.nullcontext()
     return torch._dynamo.config.patch(**{SKIP_REPLAY: True})
