@@ -15,6 +15,7 @@ from .attention_tags import causal_variant, dispatch, tag_outputs
 from .dump import dump_report
 from .normalize import to_aten
 from .options import Options
+from .outside import counted
 from .report import Report
 from .rewrite import rewrite
 from .skipped import wrap_outputs
@@ -96,7 +97,8 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
         report.matched, report.skipped_outputs = [], []
         report.errors.append(f"rewritten graph failed in the inner compiler, compiled unfused: {type(e).__name__}: {e}")
         return inner_compile(gm, example_inputs, opts, mode)
-    return wrap_outputs(compiled, report.skipped_outputs)
+    compiled = wrap_outputs(compiled, report.skipped_outputs)
+    return counted(compiled, report) if report.matched else compiled
 
 
 def _with_causal_variant(compiled, variant, example_inputs, opts: Options, mode, report: Report):

@@ -15,7 +15,7 @@ def explain(model_or_fn, *args, fxfuse_options: dict | None = None, **kwargs) ->
     Also reports what ran outside every compiled graph (fxfuse/outside.py): ``graph_breaks``, the
     eager module calls in ``outside``, and each site module among them in ``unmatched``."""
     from .backend import transform
-    from .outside import Census
+    from .outside import Census, counted
 
     opts = Options.parse(fxfuse_options)
     report = Report()
@@ -23,7 +23,7 @@ def explain(model_or_fn, *args, fxfuse_options: dict | None = None, **kwargs) ->
     def capture(gm, example_inputs):
         _, r = transform(gm, example_inputs, opts)
         report.extend(r)
-        return gm.forward
+        return counted(gm.forward, r)
 
     with Census(model_or_fn) as census:
         torch.compile(model_or_fn, backend=capture)(*args, **kwargs)

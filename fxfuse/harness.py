@@ -2,7 +2,9 @@
 fused every one and nothing else, and whether training through the fused model matches eager.
 
 ``check(build, inputs)``:
-  - expected sites per pattern, counted from module calls in one eager forward (``expected_sites``);
+  - expected sites per pattern, counted from module calls in one eager forward (``expected_sites``),
+    against the fused calls that ran in one compiled forward (``Report.calls``: a graph Dynamo reuses
+    for every layer counts once per run);
   - fp32 parity: loss and every gradient of the fxfuse-compiled model against eager (rel err < 1e-5).
     Where a tensor misses that, an fp64 eager run decides whether the fp32 comparison is only at
     rounding's noise floor: the tensor still passes if fxfuse is as accurate as eager fp32 against
@@ -34,7 +36,8 @@ FP64_MULTIPLIER = 2.0
 
 
 def _names(m: nn.Module) -> set[str]:
-    return {n for n, _ in m.named_children()} | {n for n, _ in m.named_parameters(recurse=False)}
+    """Lower-cased names of m's children and own parameters (DBRX spells its projection Wqkv)."""
+    return {n.lower() for n, _ in m.named_children()} | {n.lower() for n, _ in m.named_parameters(recurse=False)}
 
 
 def is_rms_norm(m: nn.Module) -> bool:
@@ -45,22 +48,24 @@ def is_rms_norm(m: nn.Module) -> bool:
 
 def is_gated_mlp(m: nn.Module) -> bool:
     """act(gate) * up modules: HF gate_proj/up_proj, fused gate_up_proj (Phi-3, MoE experts),
-    Meta / gpt-fast w1/w3; Gemma 4's decoder layer (act(per_layer_input_gate(h)) * per_layer_input)."""
+    Meta / gpt-fast w1/w3, DBRX's experts w1/v1; Gemma 4's decoder layer (act(per_layer_input_gate(h)) * per_layer_input);
+    JetMoE's MoE (input_linear to both halves, its activation; its attention experts have no activation)."""
     names = _names(m)
-    return ({"gate_proj", "up_proj"} <= names or "gate_up_proj" in names or {"w1", "w3"} <= names
-            or "per_layer_input_gate" in names)
+    return ({"gate_proj", "up_proj"} <= names or "gate_up_proj" in names or {"w1", "w3"} <= names or {"w1", "v1"} <= names
+            or "per_layer_input_gate" in names or {"input_linear", "output_linear", "activation"} <= names)
 
 
 def is_attention(m: nn.Module) -> bool:
     """A softmax-attention module (a RoPE site in a rotary model), DeepSeek's MLA (kv_a_proj_with_mqa)
     too, and a layer that reuses an earlier layer's keys (Gemma 3n: q_proj and o_proj, no k_proj;
-    it still rotates its queries). MiniMax's lightning attention layers (linear attention: a
-    qkv_proj, no rotation) are not."""
+    it still rotates its queries), one with a joint key-value projection (JetMoE's kv_proj, its queries
+    from attention experts). MiniMax's lightning attention layers (linear attention: a qkv_proj, no
+    rotation) are not."""
     names = _names(m)
     if "lightning" in type(m).__name__.lower():
         return False
     return ({"q_proj", "k_proj"} <= names or {"q_proj", "o_proj"} <= names or {"wq", "wk"} <= names
-            or bool(names & {"query_key_value", "qkv_proj", "wqkv", "kv_a_proj_with_mqa"}))
+            or bool(names & {"query_key_value", "qkv_proj", "wqkv", "kv_a_proj_with_mqa", "kv_proj"}))
 
 
 def uses_rope(model: nn.Module) -> bool:
@@ -240,4 +245,4 @@ def check(name: str, build: Callable[[], nn.Module], inputs: dict, loss_of=lambd
         reasons.setdefault(s.pattern, []).append(s.reason)
     reasons.update({"graph": report.errors} if report.errors else {})
     reasons.update({"graph_breaks": report.graph_breaks} if report.graph_breaks else {})
-    return Result(name, expected, report.counts(), loss_err, grad_err, bf16, reasons, fp64, fp64_ok)
+    return Result(name, expected, report.calls, loss_err, grad_err, bf16, reasons, fp64, fp64_ok)

@@ -9,27 +9,48 @@ simply missing from the report, neither matched nor unmatched.
 ``Census(model)`` around the compiled call:
   - diffs Dynamo's graph-break counters (``torch._dynamo.utils.counters``: "graph_break" and
     "unimplemented") into one line per distinct reason (headline, Dynamo's debug context, its hint);
-  - hooks every submodule with a forward pre-hook that records the call only when it runs in Python
-    (``torch.compiler.is_compiling()`` is False). Under tracing the hook does nothing, so the traced
-    graphs are unchanged and no side effect is replayed; a module call inside a compiled graph
-    never reaches the hook at run time. What it records are exactly the eager module calls.
+  - records, through a Python profile function (``_Profiler``), every submodule whose forward code
+    ran in Python: the module forwards that ran eagerly. A forward Dynamo compiled, or traced into a
+    caller's graph, is not seen. Module hooks would be simpler, but a hook on a torch.nn module
+    makes Dynamo compile that module's forward where it would otherwise run it eagerly (a skipped
+    frame's ``nn.RMSNorm``): the census would then report a fusion a plain run does not get.
 Recognised site modules (an RMSNorm class, a gated MLP, a rotary model's attention: the harness's
 rules) among them become unmatched sites with ``graph = -1``.
+
+It also counts the runs of every compiled graph with a matched site (the backend wraps those in
+``counted``), so ``Report.calls`` holds the fused calls that ran. Sites are counted per compiled
+graph; calls are not: where Dynamo skips a model's forward (a graph break in its layer loop) and
+compiles a layer's forward as a frame of its own, one graph serves every layer.
 """
 from __future__ import annotations
 
 import inspect
 import os
 import re
+import sys
 from collections import Counter
 
 import torch
 import torch.nn as nn
 
-from .report import Report, Site
+from .report import PATTERN_NAMES, Report, Site
 
 OUTSIDE_REASON = ("ran eagerly, outside every compiled graph (a graph break: see the report's "
                   "graph breaks), so nothing in it is fused")
+
+
+_ACTIVE: list[Census] = []  # censuses inside their call: they count graph runs
+
+
+def counted(compiled, report: Report):
+    """compiled(*args), its runs counted by every active census (a list check when none is)."""
+
+    def run(*args):
+        for census in _ACTIVE:
+            census.ran.setdefault(id(report), [report, 0])[1] += 1
+        return compiled(*args)
+
+    return run
 
 
 def _graph_breaks() -> Counter:
@@ -83,29 +104,30 @@ class Census:
 
     def __init__(self, model_or_fn):
         self.model = model_or_fn if isinstance(model_or_fn, nn.Module) else None
-        self.eager: list[tuple[str, nn.Module]] = []
-        self._hooks = []
+        self.eager: list[tuple[str, nn.Module]] = []  # module forwards whose own code ran in Python
+        self.ran: dict[int, list] = {}  # id(graph report) -> [report, runs]
+        self._names: dict[int, str] = {}
+        self._codes: set = set()
 
     def __enter__(self) -> Census:
         self._before = _graph_breaks()
         if self.model is not None:
             for name, mod in self.model.named_modules():
-                self._hooks.append(mod.register_forward_pre_hook(self._hook(name, mod)))
+                self._names[id(mod)] = name
+                self._codes.add(_forward_code(mod))
+        _ACTIVE.append(self)
+        if len(_ACTIVE) == 1:
+            _Profiler.start()
         return self
 
-    def _hook(self, name: str, mod: nn.Module):
-        eager = self.eager
-
-        def fxfuse_census(_mod, _args):
-            if not torch.compiler.is_compiling():
-                eager.append((name, mod))
-
-        return fxfuse_census
+    def _saw(self, code, self_arg) -> None:
+        if code in self._codes and id(self_arg) in self._names:
+            self.eager.append((self._names[id(self_arg)], self_arg))
 
     def __exit__(self, *exc) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        _ACTIVE.remove(self)
+        if not _ACTIVE:
+            _Profiler.stop()
         self._after = _graph_breaks()
 
     def around(self, call):
@@ -121,11 +143,17 @@ class Census:
     def apply(self, report: Report) -> Report:
         from .harness import uses_rope
 
+        report.calls = {p: 0 for p in PATTERN_NAMES}
+        for graph, runs in self.ran.values():
+            for p, n in graph.counts().items():
+                report.calls[p] += n * runs
         new = self._after - self._before
         lines = {line for line in map(break_line, new) if line}
         # a break counted alone and again with the breaks that followed it: keep the longer line
         report.graph_breaks += sorted(b for b in lines if not any(o != b and o.startswith(b) for o in lines))
-        names = {n for n, _ in self.eager}
+        # an eager module's eager submodules fold into it, but not into the root: a skipped top-level
+        # forward (a graph break in its layer loop) runs its layers as compiled frames of their own
+        names = {n for n, _ in self.eager} - {""}
         outer = [(n, m) for n, m in self.eager if not any(p in names for p in _ancestors(n))]
         report.outside += _grouped(outer)
         rope = self.model is not None and uses_rope(self.model)
@@ -133,6 +161,64 @@ class Census:
             for pattern in site_patterns(mod, rope):
                 report.unmatched.append(Site(pattern, name, _source(mod), "", OUTSIDE_REASON, graph=-1))
         return report
+
+
+def _forward_code(mod: nn.Module):
+    """The code object of mod's forward body (under decorators such as transformers' own)."""
+    fn = inspect.unwrap(getattr(type(mod).forward, "__func__", type(mod).forward))
+    return getattr(fn, "__code__", None)
+
+
+class _Profiler:
+    """A Python profile function (``sys.setprofile``) that reports to the active censuses every
+    frame that starts running a module's forward code in Python. A forward Dynamo compiled runs its
+    transformed code object instead, and one traced into a caller's graph runs no Python at all, so
+    only eager runs are seen; unlike module hooks (with which Dynamo compiles a torch.nn module's
+    forward it would otherwise run eagerly), a profile function changes nothing Dynamo decides. It
+    pauses while Dynamo compiles (its compile callbacks): tracing runs no model code, and profiling
+    Dynamo itself would cost seconds."""
+
+    previous = None
+
+    @staticmethod
+    def hook(frame, event, _arg) -> None:
+        if event == "call" and frame.f_code.co_name == "forward":
+            self_arg = frame.f_locals.get("self")
+            for census in _ACTIVE:
+                census._saw(frame.f_code, self_arg)
+
+    @classmethod
+    def start(cls) -> None:
+        cls.previous = sys.getprofile()
+        if _callbacks() is not None:
+            _callbacks().register_start_callback(cls._pause)
+            _callbacks().register_end_callback(cls._resume)
+        sys.setprofile(cls.hook)
+
+    @classmethod
+    def stop(cls) -> None:
+        sys.setprofile(cls.previous)
+        if _callbacks() is not None:
+            _callbacks().remove_start_callback(cls._pause)
+            _callbacks().remove_end_callback(cls._resume)
+
+    @classmethod
+    def _pause(cls, _args) -> None:
+        sys.setprofile(cls.previous)
+
+    @classmethod
+    def _resume(cls, _args) -> None:
+        sys.setprofile(cls.hook)
+
+
+def _callbacks():
+    """Dynamo's compile start / end callbacks (torch >= 2.5); without them the profiler runs through
+    compiles too (slower, same result)."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:
+        return None
+    return callback_handler
 
 
 def _ancestors(name: str) -> list[str]:

@@ -48,6 +48,10 @@ class Report:
     # reason, and the outermost module calls that ran eagerly, outside every compiled graph
     graph_breaks: list[str] = field(default_factory=list)
     outside: list[str] = field(default_factory=list)
+    # fxfuse.explain / the harness only: fused calls per pattern that ran during the call, each
+    # compiled graph's matched sites times its runs (a frame's graph reused for every layer of a
+    # model whose forward Dynamo skipped runs once per layer); None where runs were not counted
+    calls: dict[str, int] | None = None
 
     def counts(self) -> dict[str, int]:
         """Matched sites per pattern; every pattern name is present."""
@@ -64,6 +68,8 @@ class Report:
         self.opaque += other.opaque
         self.graph_breaks += [b for b in other.graph_breaks if b not in self.graph_breaks]
         self.outside += other.outside
+        if other.calls is not None:
+            self.calls = {p: (self.calls or {}).get(p, 0) + other.calls[p] for p in PATTERN_NAMES}
         self.graphs += other.graphs
 
     @classmethod
@@ -85,6 +91,7 @@ class Report:
                 "opaque": self.opaque,
                 "graph_breaks": self.graph_breaks,
                 "outside": self.outside,
+                "calls": self.calls,
             },
             indent=2,
         )
@@ -110,8 +117,12 @@ class Report:
         if left:
             lines.append(_table("attention masks kept", left, ("module", "source", "reason")))
         lines += [f"opaque: {o}" for o in self.opaque]
+        if self.calls is not None and self.calls != self.counts():
+            lines.append("fused calls at run time (a compiled graph ran more than once, or not at all): "
+                         + ", ".join(f"{k} {v}" for k, v in self.calls.items()))
         if self.outside:
-            lines.append("ran outside every compiled graph (eagerly, unfused): " + ", ".join(self.outside))
+            lines.append("ran eagerly, outside every compiled graph (module forwards; "
+                         "modules they call may still compile): " + ", ".join(self.outside))
         lines += [f"graph break: {b}" for b in self.graph_breaks]
         lines += [f"error: {e}" for e in self.errors]
         return "\n".join(lines)

@@ -37,7 +37,7 @@ HF_ZOO: dict[str, dict] = {
     # Gemma 4's defaults hold a 262144 x 256 per-layer embedding per layer (134M parameters at TINY)
     # and 512-wide heads in its full-attention layers
     "gemma4_text": {"vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 8, "global_head_dim": 16},
-    "olmo3": {}, "glm4": {}, "ernie4_5": {}, "exaone4": {}, "seed_oss": {}, "cohere2": {},
+    "olmo3": {}, "glm4": {}, "jetmoe": {}, "ernie4_5": {}, "exaone4": {}, "seed_oss": {}, "cohere2": {},
     "apertus": {}, "bitnet": {}, "minimax": {}, "deepseek_v2": MLA_TINY, "deepseek_v3": MLA_TINY,
     # GPT-J / CodeGen rotate the first rotary_dim (default 64) channels of each head, in pairs
     "gptj": {"rotary_dim": 4}, "codegen": {"rotary_dim": 4}, "falcon": {},

@@ -9,6 +9,7 @@ the side effect inside the checkpoint call, so the whole layer runs eagerly).
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -66,6 +67,19 @@ class SideEffectTitan(TitanLM):
         return layer(x, freqs)
 
 
+class LoopBreakTitan(TitanLM):
+    """A graph break in the layer loop: Dynamo skips forward and compiles TitanBlock.forward as a
+    frame of its own, once, then reuses that graph for the second block (as in JetMoE and DBRX)."""
+
+    def forward(self, input_ids, labels=None):
+        x = self.tok_embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, self.freqs_cis[: input_ids.shape[1]])
+            torch._dynamo.graph_break()
+        logits = self.output(self.norm(x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
 def _titan(cls):
     torch.manual_seed(0)
     return cls()
@@ -87,7 +101,7 @@ def test_disabled_call_is_reported_outside_with_its_graph_break():
     assert report.outside == ["norm (RMSNorm) x1"]
     assert any("disable" in b.lower() for b in report.graph_breaks), report.graph_breaks
     text = str(report)
-    assert "ran outside every compiled graph (eagerly, unfused): norm (RMSNorm) x1" in text
+    assert "ran eagerly, outside every compiled graph (module forwards; modules they call may still compile): norm (RMSNorm) x1" in text
     assert "graph break: " in text and OUTSIDE_REASON in text
     assert "outside" in report.to_json() and "graph_breaks" in report.to_json()
 
@@ -95,13 +109,14 @@ def test_disabled_call_is_reported_outside_with_its_graph_break():
 def test_checkpointed_side_effect_layers_are_reported_outside():
     report = fxfuse.explain(_titan(SideEffectTitan), **batch())
     outside = sorted((s.pattern, s.module) for s in report.unmatched if s.graph == -1)
-    # both blocks ran eagerly: their norms, and each block is a rope site (wq, wk) and a swiglu site (w1, w3)
+    # both blocks ran eagerly: their norms, and each block is a rope site (wq, wk) and a swiglu site
+    # (w1, w3); the break sits in forward's loop, so Dynamo skips that whole frame and the final
+    # nn.RMSNorm, called from it, runs eagerly too (Dynamo does not compile a torch.nn forward alone)
     assert outside == sorted([("rms_norm", f"layers.{i}.{n}") for i in (0, 1) for n in ("attention_norm", "ffn_norm")]
-                             + [(p, f"layers.{i}") for i in (0, 1) for p in ("rope", "swiglu")])
-    # the break sits in forward's loop, so Dynamo skips that whole frame: the final norm compiles as
-    # its own frame, the cross-entropy (no module) runs eagerly, and only the graph break says so
-    assert report.counts() == {"rms_norm": 1, "rope": 0, "swiglu": 0, "linear_cross_entropy": 0}
-    assert report.outside == ["layers.* (TitanBlock) x2"]
+                             + [(p, f"layers.{i}") for i in (0, 1) for p in ("rope", "swiglu")] + [("rms_norm", "norm")])
+    assert report.counts() == report.calls == dict.fromkeys(FULL, 0)
+    assert report.outside == ["(root) (SideEffectTitan) x1", "tok_embeddings (Embedding) x1", "layers.* (TitanBlock) x2",
+                              "norm (RMSNorm) x1", "output (Linear) x1"]
     hop = [b for b in report.graph_breaks if b.startswith("HOP: ") and "side effect" in b]
     assert hop and "frame skipped: forward" in hop[0], report.graph_breaks
 
@@ -114,7 +129,7 @@ def test_dynamos_hint_brings_checkpointed_side_effect_layers_back():
     assert report.counts() == FULL and not report.unmatched and not report.outside
 
 
-def test_census_hooks_leave_the_graph_and_the_model_as_they_were():
+def test_census_sees_eager_forwards_only_and_leaves_the_model_as_it_was():
     model = _titan(TitanLM)
     hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
     with Census(model) as census:
@@ -122,10 +137,55 @@ def test_census_hooks_leave_the_graph_and_the_model_as_they_were():
     assert census.eager == [] and sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks
     eager_model = _titan(DisabledNormTitan)
     with Census(eager_model) as census:
-        eager_model(**batch())  # not compiled at all: every module call is eager
+        eager_model(**batch())  # not compiled at all: every module forward runs eagerly
     # every module called once, eagerly; the ModuleList itself is never called
     assert sorted(n for n, _ in census.eager) == sorted(n for n, _ in eager_model.named_modules() if n != "layers")
-    assert census.apply(fxfuse.Report()).outside == ["(root) (DisabledNormTitan) x1"]
+    # eager submodules fold into an eager block, never into the root
+    assert census.apply(fxfuse.Report()).outside == [
+        "(root) (DisabledNormTitan) x1", "tok_embeddings (Embedding) x1", "layers.* (TitanBlock) x2",
+        "norm (RMSNorm) x1", "output (Linear) x1"]
+    assert sys.getprofile() is None
+
+
+def test_census_changes_nothing_dynamo_compiles():
+    """With a forward hook on it, Dynamo compiles a torch.nn module's forward called from a skipped
+    frame (the final nn.RMSNorm here), which without one it runs eagerly: a census built on hooks
+    reported that norm fused though a plain run never fuses it."""
+    plain = fxfuse.Report.merge(_compiled_reports(lambda model, call: call(**batch())))
+    censused = fxfuse.Report.merge(_compiled_reports(lambda model, call: Census(model).around(call)(**batch())))
+    assert plain.counts() == censused.counts() == {"rms_norm": 2, "rope": 1, "swiglu": 1, "linear_cross_entropy": 0}
+    assert plain.graphs == censused.graphs
+
+
+def _compiled_reports(run) -> list:
+    torch._dynamo.reset()
+    n0 = len(fxfuse.compiled_reports())
+    model = _titan(LoopBreakTitan)
+    run(model, torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"}))
+    return fxfuse.compiled_reports()[n0:]
+
+
+def test_a_graph_reused_for_every_layer_counts_its_fused_calls_per_run():
+    report = fxfuse.explain(_titan(LoopBreakTitan), **batch())
+    # one block graph (2 norms, rope, swiglu): sites per graph miss the second block, which reuses it
+    assert report.counts() == {"rms_norm": 2, "rope": 1, "swiglu": 1, "linear_cross_entropy": 0}
+    # the final norm and the cross-entropy run in forward's skipped frame, eagerly: no fused call
+    assert report.calls == FULL | {"rms_norm": 4, "linear_cross_entropy": 0}
+    assert [(s.pattern, s.module) for s in report.unmatched if s.graph == -1] == [("rms_norm", "norm")]
+    assert "fused calls at run time (a compiled graph ran more than once, or not at all): rms_norm 4" in str(report)
+    result = check("loop-break", lambda: _titan(LoopBreakTitan), batch(), loss_of=lambda out: out, bf16_steps=0)
+    assert result.matched == report.calls and result.gaps == ["rms_norm", "linear_cross_entropy"]
+    assert OUTSIDE_REASON in result.reasons["rms_norm"] and result.parity_ok
+
+
+def test_runs_are_counted_only_inside_a_census():
+    model = _titan(LoopBreakTitan)
+    compiled = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})
+    compiled(**batch())  # compiles and runs with no census: nothing counts
+    with Census(model) as census:
+        compiled(**batch())  # the graphs compiled above, reused
+    assert census.apply(fxfuse.Report()).calls == FULL | {"rms_norm": 4, "linear_cross_entropy": 0}
+    assert fxfuse.Report().calls is None and '"calls": null' in fxfuse.Report().to_json()
 
 
 def test_harness_names_the_reason_of_a_gap_outside_any_graph():
