@@ -124,6 +124,7 @@ def test_checkpointed_side_effect_layers_are_reported_outside():
 @pytest.mark.skipif(not hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"),
                     reason="this torch has no skip_fwd_side_effects_in_bwd_under_checkpoint")
 def test_dynamos_hint_brings_checkpointed_side_effect_layers_back():
+    torch._dynamo.reset()  # torch 2.11 keeps the frame skip of an earlier test's compile of this forward
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
         report = fxfuse.explain(_titan(SideEffectTitan), **batch())
     assert report.counts() == FULL and not report.unmatched and not report.outside
