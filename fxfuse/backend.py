@@ -15,7 +15,7 @@ from .attention_tags import causal_variant, dispatch, tag_outputs
 from .dump import dump_report
 from .normalize import to_aten
 from .options import Options
-from .outside import counted
+from .outside import counted, warn_eager_frames
 from .report import Report
 from .rewrite import rewrite
 from .skipped import wrap_outputs
@@ -71,6 +71,7 @@ def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.Gra
 
 def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
     opts = Options.parse(options)
+    warn_eager_frames()
     aten_gm, report = transform(gm, example_inputs, opts)
     entry = (str(gm.meta.get("dynamo_compile_id", "")), report)
     _REPORTS.append(entry)

@@ -21,10 +21,15 @@ It also counts the runs of every compiled graph with a matched site (the backend
 ``counted``), so ``Report.calls`` holds the fused calls that ran. Sites are counted per compiled
 graph; calls are not: where Dynamo skips a model's forward (a graph break in its layer loop) and
 compiles a layer's forward as a frame of its own, one graph serves every layer.
+
+Without a census (plain ``torch.compile(backend="fxfuse")``, ``fxfuse.patch``), the backend calls
+``warn_eager_frames`` at each compile: a warning per graph break after which Dynamo runs a whole
+frame or a checkpointed layer eagerly.
 """
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import re
 import sys
@@ -35,6 +40,7 @@ import torch.nn as nn
 
 from .report import PATTERN_NAMES, Report, Site
 
+log = logging.getLogger("fxfuse")
 OUTSIDE_REASON = ("ran eagerly, outside every compiled graph (a graph break: see the report's "
                   "graph breaks), so nothing in it is fused")
 
@@ -66,6 +72,29 @@ def break_line(key: str) -> str:
     followed while handling the first, such as a frame skipped for a break in a loop) its headline,
     Dynamo's debug context and hint, without the explanation or the docs link."""
     return "; then: ".join(filter(None, map(_one_break, key.split("*** While handling this graph break"))))
+
+
+def _distinct(keys) -> list[str]:
+    """break_line of each counter key; a break counted alone and again with the breaks that followed
+    it keeps only the longer line."""
+    lines = {line for line in map(break_line, keys) if line}
+    return sorted(b for b in lines if not any(o != b and o.startswith(b) for o in lines))
+
+
+_WARNED: set[str] = set()
+# breaks after which Dynamo runs a whole frame, or a checkpointed region, in Python
+_EAGER_MARKS = ("frame skipped", "Unsafe side effect")
+
+
+def warn_eager_frames() -> None:
+    """Log once per break line each graph break that made Dynamo run a whole frame (or a checkpointed
+    layer) eagerly. The backend never sees that code, so its sites stay unfused and are in no report;
+    this is the one trace of it outside ``fxfuse.explain`` (called by the backend at every compile)."""
+    for line in _distinct(_graph_breaks()):
+        if line not in _WARNED and any(mark in line for mark in _EAGER_MARKS):
+            _WARNED.add(line)
+            log.warning("fxfuse: Dynamo runs code outside every compiled graph, unfused: %s. "
+                        "fxfuse.explain(model, *inputs) lists the sites that ran eagerly.", line)
 
 
 def _one_break(text: str) -> str:
@@ -147,10 +176,7 @@ class Census:
         for graph, runs in self.ran.values():
             for p, n in graph.counts().items():
                 report.calls[p] += n * runs
-        new = self._after - self._before
-        lines = {line for line in map(break_line, new) if line}
-        # a break counted alone and again with the breaks that followed it: keep the longer line
-        report.graph_breaks += sorted(b for b in lines if not any(o != b and o.startswith(b) for o in lines))
+        report.graph_breaks += _distinct(self._after - self._before)
         # an eager module's eager submodules fold into it, but not into the root: a skipped top-level
         # forward (a graph break in its layer loop) runs its layers as compiled frames of their own
         names = {n for n, _ in self.eager} - {""}

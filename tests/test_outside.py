@@ -9,6 +9,7 @@ the side effect inside the checkpoint call, so the whole layer runs eagerly).
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import fxfuse
+from fxfuse import outside
 from fxfuse.checkpoint import skip_checkpoint_side_effect_replay
 from fxfuse.harness import check
 from fxfuse.outside import OUTSIDE_REASON, Census, break_line
@@ -187,6 +189,26 @@ def test_runs_are_counted_only_inside_a_census():
         compiled(**batch())  # the graphs compiled above, reused
     assert census.apply(fxfuse.Report()).calls == FULL | {"rms_norm": 4, "linear_cross_entropy": 0}
     assert fxfuse.Report().calls is None and '"calls": null' in fxfuse.Report().to_json()
+
+
+def test_backend_warns_once_when_dynamo_runs_a_frame_eagerly(monkeypatch):
+    monkeypatch.setattr(outside, "_WARNED", set())
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("fxfuse").addHandler(handler)
+    try:
+        for cls in (TitanLM, LoopBreakTitan, LoopBreakTitan):  # the second LoopBreakTitan: a new model, same break
+            torch.compile(_titan(cls), backend="fxfuse", options={"inner": "aot_eager"})(**batch())
+            if cls is TitanLM:
+                assert not records
+    finally:
+        logging.getLogger("fxfuse").removeHandler(handler)
+    messages = [r.getMessage() for r in records]
+    assert len(messages) == 1 and "frame skipped: forward" in messages[0], messages
+    assert "fxfuse.explain(model, *inputs) lists the sites that ran eagerly" in messages[0]
 
 
 def test_harness_names_the_reason_of_a_gap_outside_any_graph():
