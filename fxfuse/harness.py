@@ -41,18 +41,22 @@ def _names(m: nn.Module) -> set[str]:
 
 
 def is_rms_norm(m: nn.Module) -> bool:
-    """nn.RMSNorm and *RMSNorm classes; Llama 4's weightless q/k ``L2Norm`` (x * rsqrt(mean(x^2) + eps))."""
+    """nn.RMSNorm and *RMSNorm classes; Llama 4's weightless q/k ``L2Norm`` (x * rsqrt(mean(x^2) + eps));
+    gated ones (*RMSNormGated: Qwen3-Next's and Qwen3.5's linear attention, rms_norm(x) * silu(gate))."""
     name = type(m).__name__.lower()
-    return isinstance(m, nn.RMSNorm) or name.endswith("rmsnorm") or name == "llama4textl2norm"
+    return isinstance(m, nn.RMSNorm) or name.endswith(("rmsnorm", "rmsnormgated")) or name == "llama4textl2norm"
 
 
 def is_gated_mlp(m: nn.Module) -> bool:
     """act(gate) * up modules: HF gate_proj/up_proj, fused gate_up_proj (Phi-3, MoE experts),
     Meta / gpt-fast w1/w3, DBRX's experts w1/v1; Gemma 4's decoder layer (act(per_layer_input_gate(h)) * per_layer_input);
-    JetMoE's MoE (input_linear to both halves, its activation; its attention experts have no activation)."""
+    JetMoE's MoE (input_linear to both halves, its activation; its attention experts have no activation);
+    a gated RMSNorm with a SiLU gate (silu(gate) * normed x; Kimi Linear's sigmoid gate is no site)."""
     names = _names(m)
-    return ({"gate_proj", "up_proj"} <= names or "gate_up_proj" in names or {"w1", "w3"} <= names or {"w1", "v1"} <= names
-            or "per_layer_input_gate" in names or {"input_linear", "output_linear", "activation"} <= names)
+    return ({"gate_proj", "up_proj"} <= names or "gate_up_proj" in names or {"w1", "w3"} <= names
+            or {"w1", "v1"} <= names or "per_layer_input_gate" in names
+            or {"input_linear", "output_linear", "activation"} <= names
+            or (type(m).__name__.lower().endswith("rmsnormgated") and getattr(m, "activation", "silu") == "silu"))
 
 
 def is_attention(m: nn.Module) -> bool:

@@ -202,7 +202,8 @@ class _Profiler:
     only eager runs are seen; unlike module hooks (with which Dynamo compiles a torch.nn module's
     forward it would otherwise run eagerly), a profile function changes nothing Dynamo decides. It
     pauses while Dynamo compiles (its compile callbacks): tracing runs no model code, and profiling
-    Dynamo itself would cost seconds."""
+    Dynamo itself would cost seconds. A Python profiler already set (cProfile) is off for the call
+    and restored after it."""
 
     previous = None
 

@@ -56,6 +56,10 @@ HF_ZOO: dict[str, dict] = {
     "gemma3n_text": {"layer_types": ["sliding_attention"] * 2, "sliding_window": 8, "num_kv_shared_layers": 1,
                      "intermediate_size": [48] * 2, "activation_sparsity_pattern": [0.95, 0.0], "altup_num_inputs": 2,
                      "vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 8, "laurel_rank": 4},
+    # Qwen3.5: a gated-delta-net linear attention layer (its gated RMSNorm: an RMSNorm and a SiLU-gate
+    # site) then a full attention layer, linear-attention heads at TINY's scale
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 8,
+                     "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4},
 }
 
 # (architecture, pattern) -> why the site is not fused; the harness records these as gaps

@@ -1,9 +1,13 @@
 """The harness's parity rule: fxfuse vs eager fp32 within FP32_TOL, or, for a tensor that misses it,
 at least as accurate as eager fp32 against an fp64 run (fp64_verdict). Exact errors are built in by
-construction here so each case sits on a known side of the rule."""
+construction here so each case sits on a known side of the rule. Then the name rules that count a
+model's sites (is_rms_norm, is_gated_mlp, is_attention) on stand-in modules."""
+import pytest
 import torch
+import torch.nn as nn
 
-from fxfuse.harness import FP32_TOL, as_accurate_as_eager, fp64_run, fp64_verdict, grad_errors, rel_err
+from fxfuse.harness import (FP32_TOL, as_accurate_as_eager, fp64_run, fp64_verdict, grad_errors, is_attention,
+                            is_gated_mlp, is_rms_norm, rel_err)
 
 
 def _noisy(exact: torch.Tensor, rel: float, seed: int) -> torch.Tensor:
@@ -79,3 +83,29 @@ def test_fp64_run_gives_double_gradients_and_none_for_an_fp32_only_model():
             return input.float() @ self.w  # an fp32 input against an fp64 weight: a dtype error
 
     assert fp64_run(Fp32Only(), {"input": x}, lambda out: out.sum()) is None
+
+
+def _module(cls_name: str, children=(), params=(), **attrs) -> nn.Module:
+    m = type(cls_name, (nn.Module,), {})()
+    for c in children:
+        m.add_module(c, nn.Identity())
+    for p in params:
+        m.register_parameter(p, nn.Parameter(torch.zeros(1)))
+    for k, v in attrs.items():
+        setattr(m, k, v)
+    return m
+
+
+@pytest.mark.parametrize("mod, rms, gated, attention", [
+    (_module("JetMoeMoE", ["activation", "input_linear", "output_linear", "router"]), False, True, False),
+    (_module("JetMoeMoA", ["input_linear", "output_linear", "router"]), False, False, False),  # attention experts
+    (_module("JetMoeAttention", ["experts", "kv_proj"]), False, False, True),
+    (_module("DbrxAttention", ["Wqkv", "out_proj"]), False, False, True),  # names compared lower-cased
+    (_module("DbrxExpertGLU", ["activation_fn"], ["w1", "v1", "w2"]), False, True, False),
+    (_module("Qwen3NextRMSNormGated", params=["weight"], activation="silu"), True, True, False),
+    (_module("MambaRMSNormGated", params=["weight"]), True, True, False),  # silu, no attribute
+    (_module("KimiRMSNormGated", params=["weight"], activation="sigmoid"), True, False, False),  # a GLU: no site
+    (_module("LlamaRMSNorm", params=["weight"]), True, False, False),
+])
+def test_site_rules_by_name(mod, rms, gated, attention):
+    assert (is_rms_norm(mod), is_gated_mlp(mod), is_attention(mod)) == (rms, gated, attention)
