@@ -35,7 +35,6 @@ import re
 import sys
 from collections import Counter
 
-import torch
 import torch.nn as nn
 
 from .report import PATTERN_NAMES, Report, Site
@@ -217,17 +216,19 @@ class _Profiler:
     @classmethod
     def start(cls) -> None:
         cls.previous = sys.getprofile()
-        if _callbacks() is not None:
-            _callbacks().register_start_callback(cls._pause)
-            _callbacks().register_end_callback(cls._resume)
+        handler = _callbacks()
+        if handler is not None:
+            handler.register_start_callback(cls._pause)
+            handler.register_end_callback(cls._resume)
         sys.setprofile(cls.hook)
 
     @classmethod
     def stop(cls) -> None:
         sys.setprofile(cls.previous)
-        if _callbacks() is not None:
-            _callbacks().remove_start_callback(cls._pause)
-            _callbacks().remove_end_callback(cls._resume)
+        handler = _callbacks()
+        if handler is not None:
+            handler.remove_start_callback(cls._pause)
+            handler.remove_end_callback(cls._resume)
 
     @classmethod
     def _pause(cls, _args) -> None:
