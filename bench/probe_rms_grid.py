@@ -8,8 +8,9 @@ registers per thread) fitting only 3 programs per SM: a persistent grid with a p
 wave. Each configuration is captured in a CUDA graph; replays are timed round-robin (every rep
 times every config once, so drift between reps hits all alike), median over reps. Prints the
 compiled kernel's registers and shared memory and the programs per SM that fit by registers.
-The backward's configs also choose RELOAD_W (w re-read per row instead of held in registers); its
-time includes the dw reduction over the grid's [P, D] partials (P = programs).
+The backward's time includes the dw reduction over the grid's [P, D] partials (P = programs). (Its
+RELOAD_W axis, w re-read per row, went with that option: bench/probe_rms_wide.py's split kernel
+took over the 16K+-element rows where re-reading had won.)
 """
 import argparse
 import itertools
@@ -38,7 +39,6 @@ def main() -> None:
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--per-sm", type=int, nargs="+", default=[1, 2, 3, 4, 6])
-    p.add_argument("--reload-w", type=int, nargs="+", default=[0, 1], help="bwd only")
     args = p.parse_args()
     m, d = (int(v) for v in args.shape.split("x"))
     x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
@@ -52,19 +52,19 @@ def main() -> None:
     fwd = args.kernel == "fwd"
     nbytes = (2 if fwd else 3) * m * d * x.element_size()
 
-    def fwd_fn(grid, warps, stages, _reload):
+    def fwd_fn(grid, warps, stages):
         return lambda: k._rms_norm_fwd_rows_kernel[(grid,)](
             x, w, y, m, d, x.stride(0), 1e-6, 0.0, HAS_WEIGHT=True, CAST_BEFORE_WEIGHT=True,
             RNE_BY_BITS=False, BLOCK_N=bn, NUM_STAGES=stages, num_warps=warps)
 
-    def bwd_fn(grid, warps, stages, reload_w):
+    def bwd_fn(grid, warps, stages):
         partial = torch.empty((grid, d), device="cuda", dtype=torch.float32)
         programs, block_p, block_d = launch.dw_launch(grid, d)
 
         def run():
             compiled = k._rms_norm_bwd_kernel[(grid,)](
                 dy, x, w, y, partial, m, d, x.stride(0), 1e-6, 0.0, HAS_WEIGHT=True, COMPUTE_DW=True,
-                ROUND=0, RNE_BY_BITS=False, RELOAD_W=bool(reload_w), BLOCK_M=1, BLOCK_N=bn,
+                ROUND=0, RNE_BY_BITS=False, BLOCK_M=1, BLOCK_N=bn,
                 NUM_STAGES=stages, num_warps=warps)
             k._dw_reduce_kernel[(programs,)](partial, dw, grid, d, RNE_BY_BITS=False, BLOCK_P=block_p,
                                              BLOCK_D=block_d)
@@ -74,9 +74,8 @@ def main() -> None:
     shipped = launch.fwd_launch(m, d, 2, x.device) if fwd else launch.bwd_launch(m, d, 2, x.device)
     print(f"{args.kernel} {args.shape} shipped: {shipped}  ceiling {ceiling:.0f} GB/s", flush=True)
     configs, graphs = [], []
-    reloads = [0] if fwd else args.reload_w
-    for warps, stages, per_sm, reload_w in itertools.product(args.warps, args.stages, args.per_sm, reloads):
-        fn = (fwd_fn if fwd else bwd_fn)(min(m, sms * per_sm), warps, stages, reload_w)
+    for warps, stages, per_sm in itertools.product(args.warps, args.stages, args.per_sm):
+        fn = (fwd_fn if fwd else bwd_fn)(min(m, sms * per_sm), warps, stages)
         try:
             compiled = fn()
             torch.cuda.synchronize()
@@ -84,17 +83,17 @@ def main() -> None:
             print(f"skip warps {warps} stages {stages}: {type(exc).__name__}", flush=True)
             continue
         fit = resident_by_regs(compiled.n_regs, warps)
-        configs.append((warps, stages, per_sm, reload_w, compiled.n_regs, compiled.metadata.shared, fit))
+        configs.append((warps, stages, per_sm, compiled.n_regs, compiled.metadata.shared, fit))
         graphs.append(graphed(fn))
     times = [[] for _ in configs]
     for _ in range(args.reps):
         for i, g in enumerate(graphs):
             times[i].append(bench_ms(g, warmup_ms=10, rep_ms=60) * 1e3)
     rows = sorted(zip(configs, times), key=lambda r: statistics.median(r[1]))
-    print("warps stages per_sm reload_w regs smem_KiB fit_by_regs   us(median) min  max   GB/s  %ceil")
-    for (warps, stages, per_sm, reload_w, regs, smem, fit), t in rows:
+    print("warps stages per_sm regs smem_KiB fit_by_regs   us(median) min  max   GB/s  %ceil")
+    for (warps, stages, per_sm, regs, smem, fit), t in rows:
         med = statistics.median(t)
-        print(f"{warps:5} {stages:6} {per_sm:6} {reload_w:8} {regs:4} {smem / 1024:8.1f} {fit:11}   {med:9.1f} "
+        print(f"{warps:5} {stages:6} {per_sm:6} {regs:4} {smem / 1024:8.1f} {fit:11}   {med:9.1f} "
               f"{min(t):5.1f} {max(t):5.1f} {nbytes / med / 1e3:6.0f} {100 * nbytes / med / 1e3 / ceiling:6.1f}")
 
 

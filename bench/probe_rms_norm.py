@@ -72,13 +72,13 @@ def probe(m: int, d: int, ceiling: float, args) -> None:
         _time(f"tile warps={wp}", lambda wp=wp: k._rms_norm_fwd_kernel[(triton.cdiv(m, tbm),)](
             x, w, y, m, d, d, 1e-5, 0.0, BLOCK_M=tbm, BLOCK_N=bn, num_warps=wp, **flags), fb, rows, "fwd")
 
-    grid, bm, bn, bw, bs, rw = launch.bwd_launch(m, d, 2, x.device)
+    grid, bm, bn, bw, bs = launch.bwd_launch(m, d, 2, x.device)
     partial = torch.empty(grid, d, device="cuda", dtype=torch.float32)
 
-    def row_kernel(compute_dw=True, warps=bw, stages=bs, reload_w=rw):
+    def row_kernel(compute_dw=True, warps=bw, stages=bs):
         k._rms_norm_bwd_kernel[(grid,)](
             dy, x, w, dx, partial, m, d, d, 1e-5, 0.0, HAS_WEIGHT=True, COMPUTE_DW=compute_dw, ROUND=0,
-            RNE_BY_BITS=False, RELOAD_W=reload_w, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=stages, num_warps=warps)
+            RNE_BY_BITS=False, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=stages, num_warps=warps)
 
     def reduce(red, bp, bd, wp):
         k._dw_reduce_kernel[(red,)](partial, dw, grid, d, RNE_BY_BITS=False, BLOCK_P=bp, BLOCK_D=bd, num_warps=wp)
@@ -88,9 +88,8 @@ def probe(m: int, d: int, ceiling: float, args) -> None:
     _time(f"shipped {tag} reduce [{bp}, {bd}] x {red}", lambda: (row_kernel(), reduce(red, bp, bd, 4)), bb, rows, "bwd")
     _time(f"no-reduce {tag}", row_kernel, bb, rows, "bwd")
     _time(f"no-dw {tag}", lambda: row_kernel(compute_dw=False), bb, rows, "bwd")
-    for wp, st, reload_w in itertools.product((8, 16, 32), (2, 3), (False, True)):
-        _time(f"no-reduce warps={wp} stages={st} reload_w={reload_w}", lambda a=(wp, st, reload_w): row_kernel(
-            True, *a), bb, rows, "bwd")
+    for wp, st in itertools.product((8, 16, 32), (2, 3)):
+        _time(f"no-reduce warps={wp} stages={st}", lambda a=(wp, st): row_kernel(True, *a), bb, rows, "bwd")
     for bd2, cap, wp in itertools.product((16, 32), (8192, 16384), (4,)):
         bp2 = max(1, min(triton.next_power_of_2(grid), cap // bd2))
         red2 = triton.cdiv(d, bd2)

@@ -74,11 +74,25 @@ def bwd_programs_per_sm(tile_elems: int) -> int:
     return max(1, min(8, 8192 // tile_elems))
 
 
-def bwd_reload_w(tile_elems: int) -> bool:
-    """Backward: re-read w per row (L1/L2 hits) once a tile is 16K+ elements, where x, dy, w and the
-    dw sum per element outgrow the registers (H200, 2048x16384 bf16, 16 warps: 79.0 us vs 92.5
-    holding w); at 8K elements holding w is faster (4096x8192: 58.3 vs 59.5 us)."""
-    return tile_elems >= 16384
+def bwd_split_parts(d: int) -> int:
+    """Backward programs per row once a row's tile reaches 16K lanes (rows wider than 8K elements),
+    where a whole row and its dw sum outgrow one program's registers: parts of 8K lanes while the x
+    and dy stages of all parts fit two deep in shared memory (up to 3 parts), else parts of 16K
+    lanes (H200, bf16, backward pair with the dw kernel, interleaved A/B, bench/probe_rms_wide.py:
+    2048x16384 2 parts 70.9 us, whole rows 82.9-98.4; 2048x18432 3 parts 178.2, 2 parts 220.0;
+    1024x32768 2 parts 158.8, 4 parts 184.0-199.6, whole rows 1028; 512x65536 4 parts 327.1,
+    8 parts 420.2)."""
+    if block_n(d) < 16384:
+        return 1
+    parts = triton.cdiv(d, 8192)
+    return parts if parts <= 3 else triton.cdiv(d, 16384)
+
+
+def bwd_split_num_warps(part: int) -> int:
+    """Split backward: 8 warps for parts of 8K and 16K lanes (H200, same probe: 2048x16384 70.8 us
+    vs 82.5 at 16 warps; 2048x18432 178.2 vs 191.0; 1024x32768 158.8 vs 164.8; only 512x65536
+    preferred 16, 296.7 vs 327.1)."""
+    return 8
 
 
 def dw_block_d(d: int, programs: int) -> int:
@@ -119,14 +133,27 @@ def fwd_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[bool, i
 
 
 @functools.lru_cache(maxsize=1024)
-def bwd_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[int, int, int, int, int, bool]:
-    """(persistent programs, BLOCK_M, BLOCK_N, num_warps, num_stages, RELOAD_W) of the backward; its
-    pipelined loads are x and dy (two rows per row of the tile)."""
+def bwd_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(persistent programs, BLOCK_M, BLOCK_N, num_warps, num_stages) of the row backward (rows up to
+    8K elements; wider: bwd_split_launch); its pipelined loads are x and dy (two rows per row of the tile)."""
     bn = block_n(d)
     bm = block_m(bn, m)
     tile = bm * bn
     grid = max(1, min(triton.cdiv(m, bm), num_sms(device) * bwd_programs_per_sm(tile)))
-    return grid, bm, bn, bwd_num_warps(tile), row_stages(tile * elem, per_row=2), bwd_reload_w(tile)
+    return grid, bm, bn, bwd_num_warps(tile), row_stages(tile * elem, per_row=2)
+
+
+@functools.lru_cache(maxsize=1024)
+def bwd_split_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[int, int, int, int, int] | None:
+    """(row groups, S, PART, num_warps, num_stages) of the split backward (kernels/_rms_norm_split.py),
+    or None where one program takes whole rows (bwd_launch). One program per SM; each row's stage
+    holds x and dy of all S parts."""
+    s = bwd_split_parts(d)
+    if s == 1:
+        return None
+    part = block_n(triton.cdiv(d, s))
+    groups = max(1, min(m, num_sms(device) // s))
+    return groups, s, part, bwd_split_num_warps(part), row_stages(part * elem, per_row=2 * s)
 
 
 @functools.lru_cache(maxsize=1024)

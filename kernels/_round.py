@@ -38,6 +38,20 @@ def round_to(x, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr):
     return x
 
 
+@triton.jit
+def round_dtype(v, DTYPE: tl.constexpr, RNE_BY_BITS: tl.constexpr):
+    """fp32 v rounded (to nearest, ties to even) to DTYPE's precision, returned as fp32; the final
+    .to(DTYPE) of the result is then exact. RNE_BY_BITS (CPU: Triton's interpreter truncates on
+    fp32 -> bf16 casts) rounds bf16 with integer ops, the GPU's cvt.rn rounding, so tests on CPU
+    see the GPU's numerics; on the GPU the cast itself (fewer instructions per element)."""
+    if DTYPE == tl.bfloat16 and RNE_BY_BITS:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(DTYPE).to(tl.float32)
+
+
 def round_ref(x: torch.Tensor, dtype: torch.dtype, enabled: bool) -> torch.Tensor:
     """PyTorch twin of round_to for the reference paths (x fp32 or wider)."""
     return x.to(dtype).to(x.dtype) if enabled and dtype in _CODE else x

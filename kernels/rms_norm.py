@@ -27,7 +27,9 @@ kernel sums the [P, D] partials over P (a fixed tree per column) and rounds to w
 
 Launch (kernels/_rms_norm_launch.py): the forward runs one program per tile of rows, or, for rows
 of 8K+ elements, a persistent grid of 1-D row steps whose loop loads the next rows while one is
-reduced; the backward is always persistent (its programs own the dw partial sums).
+reduced; the backward is always persistent (its programs own the dw partial sums): whole rows per
+program up to 8K elements, wider rows shared by S programs that own D / S columns each
+(kernels/_rms_norm_split.py), where a whole row and its dw sum outgrow one program's registers.
 
 Layout: rows must have a contiguous last dim (stride(-1) == 1); other inputs are copied once by
 the host wrapper. D up to ``_MAX_BLOCK_N`` (one row per register tile); wider rows take the
@@ -42,24 +44,11 @@ import triton
 import triton.language as tl
 
 from . import _rms_norm_launch as launch
+from ._rms_norm_split import split_backward
 from ._dispatch import no_double_backward, register_autograd, use_triton
-from ._round import rne_by_bits, round_code, round_ref, round_to
+from ._round import rne_by_bits, round_code, round_dtype, round_ref, round_to
 
 _MAX_BLOCK_N = 65536
-
-
-@triton.jit
-def _round_fp32(v, DTYPE: tl.constexpr, RNE_BY_BITS: tl.constexpr):
-    """fp32 v rounded (to nearest, ties to even) to DTYPE's precision, returned as fp32; the final
-    .to(DTYPE) of the result is then exact. RNE_BY_BITS (CPU: Triton's interpreter truncates on
-    fp32 -> bf16 casts) rounds bf16 with integer ops, the GPU's cvt.rn rounding, so tests on CPU
-    see the GPU's numerics; on the GPU the cast itself (fewer instructions per element)."""
-    if DTYPE == tl.bfloat16 and RNE_BY_BITS:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return v.to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -70,10 +59,10 @@ def _fwd_row_math(x, w, eps, D, X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, HA
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=AXIS, keep_dims=True) / D + eps)
     xhat = xf * rstd
     if CAST_BEFORE_WEIGHT:
-        xhat = _round_fp32(xhat, X_DTYPE, RNE_BY_BITS)
+        xhat = round_dtype(xhat, X_DTYPE, RNE_BY_BITS)
     if HAS_WEIGHT:
         xhat = xhat * w
-    return _round_fp32(xhat, Y_DTYPE, RNE_BY_BITS).to(Y_DTYPE)
+    return round_dtype(xhat, Y_DTYPE, RNE_BY_BITS).to(Y_DTYPE)
 
 
 @triton.jit
@@ -155,7 +144,6 @@ def _rms_norm_bwd_kernel(
     COMPUTE_DW: tl.constexpr,
     ROUND: tl.constexpr,  # eager's roundings of w * xhat.to(dtype)'s grads: dy * w and dy * xhat
     RNE_BY_BITS: tl.constexpr,
-    RELOAD_W: tl.constexpr,  # w re-read (L1/L2 hits) per row block instead of held in registers
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -164,7 +152,7 @@ def _rms_norm_bwd_kernel(
     num_progs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < D
-    if HAS_WEIGHT and not RELOAD_W:
+    if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
     dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
@@ -179,14 +167,12 @@ def _rms_norm_bwd_kernel(
         rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
         xhat = xf * rstd[:, None]
         if HAS_WEIGHT:
-            if RELOAD_W:
-                w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
             g = round_to(dyf * w[None, :], ROUND, RNE_BY_BITS)
         else:
             g = dyf
         c = tl.sum(g * xhat, axis=1) / D
         dx = rstd[:, None] * (g - xhat * c[:, None])
-        dx = _round_fp32(dx, dx_ptr.dtype.element_ty, RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
+        dx = round_dtype(dx, dx_ptr.dtype.element_ty, RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
         tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx, mask=mask)
         if COMPUTE_DW:
             dw_acc += round_to(dyf * round_to(xhat, ROUND, RNE_BY_BITS), ROUND, RNE_BY_BITS)
@@ -214,7 +200,7 @@ def _dw_reduce_kernel(
         ps = p0 + tl.arange(0, BLOCK_P)
         mask = (ps < P)[:, None] & col_mask[None, :]
         acc += tl.load(partial_ptr + ps.to(tl.int64)[:, None] * D + cols[None, :], mask=mask, other=0.0)
-    dw = _round_fp32(tl.sum(acc, axis=0), dw_ptr.dtype.element_ty, RNE_BY_BITS).to(dw_ptr.dtype.element_ty)
+    dw = round_dtype(tl.sum(acc, axis=0), dw_ptr.dtype.element_ty, RNE_BY_BITS).to(dw_ptr.dtype.element_ty)
     tl.store(dw_ptr + cols, dw, mask=col_mask)
 
 
@@ -287,15 +273,22 @@ def _rms_norm_backward(
     m, d = x2.shape
     dy2 = dy.reshape(m, d).contiguous()
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    grid, block_m, block_n, num_warps, num_stages, reload_w = launch.bwd_launch(m, d, x.element_size(), x.device)
-    partial = torch.empty((grid, d) if compute_dw else (1,), dtype=torch.float32, device=x.device)
     w = weight.contiguous() if weight is not None else x2
-    _rms_norm_bwd_kernel[(grid,)](
-        dy2, x2, w, dx, partial, m, d, x2.stride(0), eps, offset,
-        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
-        ROUND=round_code(dy.dtype, eager_rounding and weight is not None), RNE_BY_BITS=rne_by_bits(x.device),
-        RELOAD_W=reload_w, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=num_warps,
-    )
+    round_ = round_code(dy.dtype, eager_rounding and weight is not None)
+    split = launch.bwd_split_launch(m, d, x.element_size(), x.device)
+    if split is not None:
+        grid = split[0]  # row groups: one [D] partial each
+        partial = torch.empty((grid, d) if compute_dw else (1,), dtype=torch.float32, device=x.device)
+        split_backward(dy2, x2, w, dx, partial, eps, offset, weight is not None, compute_dw, round_,
+                       rne_by_bits(x.device), split)
+    else:
+        grid, block_m, block_n, num_warps, num_stages = launch.bwd_launch(m, d, x.element_size(), x.device)
+        partial = torch.empty((grid, d) if compute_dw else (1,), dtype=torch.float32, device=x.device)
+        _rms_norm_bwd_kernel[(grid,)](
+            dy2, x2, w, dx, partial, m, d, x2.stride(0), eps, offset,
+            HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, ROUND=round_, RNE_BY_BITS=rne_by_bits(x.device),
+            BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=num_warps,
+        )
     if not compute_dw:
         return dx, x.new_empty((0,))
     dw = torch.empty((d,), dtype=weight.dtype, device=x.device)

@@ -226,7 +226,7 @@ def launch_patch(monkeypatch):
     """Patch a launch choice of kernels/_rms_norm_launch.py; the cached launches are cleared around it."""
     from fxfuse.kernels import _rms_norm_launch as launch
 
-    cached = (launch.fwd_launch, launch.bwd_launch, launch.dw_launch)
+    cached = (launch.fwd_launch, launch.bwd_launch, launch.bwd_split_launch, launch.dw_launch)
     for f in cached:
         f.cache_clear()
     yield lambda name, fn: monkeypatch.setattr(launch, name, fn)
@@ -267,6 +267,48 @@ def test_dw_reduction_loops_over_partials(launch_patch, lead, d, block_p):
     assert _rel(dx, ref[1]) < 1e-5 and _rel(dw, ref[2]) < 1e-5
 
 
+def test_split_backward_on_wide_rows():
+    """Rows wider than 8K elements (16K+-lane tiles) take the split backward (launch.bwd_split_parts):
+    3 programs per row of 16500 (parts of 5500 columns in 8192-lane tiles; 4 "SMs" on CPU: one row
+    group), fp32 grads within 1e-5 of fp64 eager, with and without weight; rows of 8K elements keep
+    whole rows per program."""
+    from fxfuse.kernels import _rms_norm_launch as launch
+
+    groups, parts, part, _, _ = launch.bwd_split_launch(5, 16500, 4, torch.device("cpu"))
+    assert (groups, parts, part) == (1, 3, 8192)
+    assert launch.bwd_split_launch(5, 8192, 4, torch.device("cpu")) is None
+    x, w, dy = _inputs((5,), 16500, torch.float32)
+    ref = _fp64_grads(llama_eager, x, w, dy)
+    _, dx, dw = _grads(llama_op, x, w, dy)
+    assert _rel(dx, ref[1]) < 1e-5 and _rel(dw, ref[2]) < 1e-5
+    xd = x.double().requires_grad_()
+    (ref_dx,) = torch.autograd.grad(rms_norm_reference(xd, None, EPS, 0.0, True, torch.float64), xd, dy.double())
+    assert _rel(_grads(lambda x, w: rms_norm(x, None, EPS, 0.0, True, torch.float32), x, None, dy)[1], ref_dx) < 1e-5
+
+
+@pytest.mark.parametrize("lead,d,parts", [((23,), 1000, 3), ((37,), 40, 4), ((2, 3, 4), 24, 2), ((1,), 64, 8)])
+@pytest.mark.parametrize("style", ["llama", "gemma"])
+def test_split_backward_any_width(launch_patch, lead, d, parts, style):
+    """The split backward forced onto narrow rows: parts that do not divide D (1000 / 3), more
+    programs than rows, one row, zero-centred Gemma weights (offset 1); fp32 dx and dw within 1e-5
+    of fp64 eager, bf16 within 2x eager's error, a frozen weight (no dw) and no weight."""
+    from fxfuse.kernels import _rms_norm_launch as launch
+
+    launch_patch("bwd_split_parts", lambda d: parts)
+    assert launch.bwd_split_launch(1, d, 4, torch.device("cpu"))[1] == parts
+    eager, op, w_center = (llama_eager, llama_op, 1.0) if style == "llama" else (gemma_eager, gemma_op, 0.0)
+    x, w, dy = _inputs(lead, d, torch.float32, w_center)
+    ref = _fp64_grads(eager, x, w, dy)
+    _, dx, dw = _grads(op, x, w, dy)
+    assert _rel(dx, ref[1]) < 1e-5 and _rel(dw, ref[2]) < 1e-5
+    _, dx_frozen, _ = _grads(lambda x, w_: op(x, w), x, None, dy)  # weight a constant: dx only
+    assert _rel(dx_frozen, ref[1]) < 1e-5
+    xb, wb, dyb = (t.to(torch.bfloat16) for t in (x, w, dy))
+    ref, got, base = _fp64_grads(eager, xb, wb, dyb), _grads(op, xb, wb, dyb), _grads(eager, xb, wb, dyb)
+    for name, a, b, r in zip(("y", "dx", "dw"), got, base, ref):
+        assert _rel(a, r) <= 2 * _rel(b, r), name
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 199])
 @pytest.mark.parametrize("on_triton", [True, False], ids=["triton", "reference"])
@@ -290,4 +332,22 @@ def test_eager_rounding_backward_equals_llama_eager(monkeypatch, dtype, rows, on
         assert ((a - r).abs() <= ulp * r.abs()).all() and (a != r).double().mean() < 0.05
     if dtype == torch.bfloat16:
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert (once[1] != ref[1]).double().mean() > 0.2
+
+
+def test_split_backward_eager_rounding(launch_patch):
+    """numerics="eager" on the split backward (forced, 3 parts of a 96-wide row): dx and dw round as
+    eager's bf16 ``w * xhat.to(dtype)`` backward, within one unit in the last place (the row sums'
+    fp32 order differs from eager's), and most of dw differs from the single-rounding result."""
+    launch_patch("bwd_split_parts", lambda d: 3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 96, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(37, 96, generator=g).to(torch.bfloat16)
+    ref = torch.autograd.grad(llama_eager(x, w), (x, w), dy)
+    got = torch.autograd.grad(rms_norm(x, w, EPS, 0.0, True, torch.bfloat16, True), (x, w), dy)
+    once = torch.autograd.grad(rms_norm(x, w, EPS, 0.0, True, torch.bfloat16), (x, w), dy)
+    for a, r in zip(got, ref):
+        a, r = a.double(), r.double()
+        assert ((a - r).abs() <= 2.0 ** -7 * r.abs()).all() and (a != r).double().mean() < 0.05
     assert (once[1] != ref[1]).double().mean() > 0.2

@@ -1,0 +1,106 @@
+"""RMSNorm backward for wide rows: S programs share each row (the backward of kernels/rms_norm.py).
+
+The persistent row backward keeps a whole row of x, dy (and w) plus an fp32 [D] dw partial per
+program in registers. Past 8K elements per row (16K-lane tiles) that outgrows the register file (H200, 2048x16384
+bf16: 82.6 us with dw, 58.9 us without). Here S programs share each row; program (q, side) owns
+the columns [side * C, side * C + C), C = cdiv(D, S), of rows q, q + Q, q + 2Q, ... (Q row groups).
+It holds its own part of x, dy and w, and reads the other S - 1 parts only to finish the row's two
+sums; those reads are mostly L2 hits, since the partner programs read the same row at about the
+same time. Per row, with g = float32(dy) * w' (w' = float32(weight) + offset, 1 without weight):
+
+    sxx  = sum over the row of xf * xf        sgx = sum over the row of g * xf
+    rstd = 1 / sqrt(sxx / D + eps)            c   = sgx * rstd / D     (= sum(g * xhat) / D)
+    dx[own]             = rstd * (g - xhat * c),   xhat = xf * rstd
+    dw_partial[q, own] += float32(dy) * xhat        (summed over the group's rows)
+
+The math and roundings are the row kernel's (module doc of kernels/rms_norm.py, ROUND included); only
+the fp32 summation order of the two row sums differs. The [Q, D] partials go to rms_norm.py's dw
+reduction like the row kernel's [P, D]. Launch: kernels/_rms_norm_launch.py, ``bwd_split_launch``.
+"""
+import triton
+import triton.language as tl
+
+from ._round import round_dtype, round_to
+
+
+@triton.jit
+def _grad_out(dyf, w, HAS_WEIGHT: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr):
+    """g = dy * w' (rounded as eager's product under ROUND), or dy without weight."""
+    if HAS_WEIGHT:
+        return round_to(dyf * w, ROUND, RNE_BY_BITS)
+    return dyf
+
+
+@triton.jit
+def _rms_norm_bwd_split_kernel(
+    dy_ptr,  # [M, D] dy.dtype, contiguous (row stride D)
+    x_ptr,  # [M, D] x.dtype, row stride stride_x, col stride 1
+    w_ptr,  # [D] weight.dtype, contiguous (dummy pointer when HAS_WEIGHT is False)
+    dx_ptr,  # [M, D] x.dtype, contiguous (row stride D)
+    dw_partial_ptr,  # [Q, D] fp32, contiguous; Q = programs / S (only written if COMPUTE_DW)
+    M,
+    D,
+    stride_x,
+    eps,
+    offset,
+    CHUNK,  # columns per part: cdiv(D, S)
+    HAS_WEIGHT: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    ROUND: tl.constexpr,  # eager's roundings of w * xhat.to(dtype)'s grads: dy * w and dy * xhat
+    RNE_BY_BITS: tl.constexpr,
+    S: tl.constexpr,  # programs per row
+    PART: tl.constexpr,  # register tile of one part: a power of two >= CHUNK
+    NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    side = pid % S
+    groups = tl.num_programs(0) // S
+    lanes = tl.arange(0, PART)
+    own = side * CHUNK + lanes
+    own_mask = (lanes < CHUNK) & (own < D)
+    w_own = 0.0
+    if HAS_WEIGHT:
+        w_own = tl.load(w_ptr + own, mask=own_mask, other=0.0).to(tl.float32) + offset
+    dw_acc = tl.zeros((PART,), dtype=tl.float32)
+
+    for row in tl.range(pid // S, M, groups, num_stages=NUM_STAGES):
+        row64 = tl.cast(row, tl.int64)
+        xo = tl.load(x_ptr + row64 * stride_x + own, mask=own_mask, other=0.0).to(tl.float32)
+        dyo = tl.load(dy_ptr + row64 * D + own, mask=own_mask, other=0.0).to(tl.float32)
+        go = _grad_out(dyo, w_own, HAS_WEIGHT, ROUND, RNE_BY_BITS)
+        sxx = tl.sum(xo * xo, axis=0)
+        sgx = tl.sum(go * xo, axis=0)
+        for j in tl.static_range(1, S):
+            # another program's part of this row: read for the sums only, nothing kept
+            oth = ((side + j) % S) * CHUNK + lanes
+            oth_mask = (lanes < CHUNK) & (oth < D)
+            xt = tl.load(x_ptr + row64 * stride_x + oth, mask=oth_mask, other=0.0).to(tl.float32)
+            dyt = tl.load(dy_ptr + row64 * D + oth, mask=oth_mask, other=0.0).to(tl.float32)
+            wt = 0.0
+            if HAS_WEIGHT:
+                wt = tl.load(w_ptr + oth, mask=oth_mask, other=0.0).to(tl.float32) + offset
+            sxx += tl.sum(xt * xt, axis=0)
+            sgx += tl.sum(_grad_out(dyt, wt, HAS_WEIGHT, ROUND, RNE_BY_BITS) * xt, axis=0)
+        rstd = tl.math.rsqrt(sxx / D + eps)
+        c = sgx * rstd / D
+        xhat = xo * rstd
+        dx = rstd * (go - xhat * c)
+        dx = round_dtype(dx, dx_ptr.dtype.element_ty, RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
+        tl.store(dx_ptr + row64 * D + own, dx, mask=own_mask)
+        if COMPUTE_DW:
+            dw_acc += round_to(dyo * round_to(xhat, ROUND, RNE_BY_BITS), ROUND, RNE_BY_BITS)
+
+    if COMPUTE_DW:
+        tl.store(dw_partial_ptr + (pid // S).to(tl.int64) * D + own, dw_acc, mask=own_mask)
+
+
+def split_backward(dy2, x2, w, dx, partial, eps, offset, has_weight, compute_dw, round_code_, rne, cfg):
+    """Launch on [m, d] rows: cfg = (groups, S, PART, num_warps, num_stages) from bwd_split_launch;
+    partial is [groups, d] fp32 (any [1] tensor when not compute_dw)."""
+    m, d = x2.shape
+    groups, s, part, num_warps, num_stages = cfg
+    _rms_norm_bwd_split_kernel[(groups * s,)](
+        dy2, x2, w, dx, partial, m, d, x2.stride(0), eps, offset, triton.cdiv(d, s),
+        HAS_WEIGHT=has_weight, COMPUTE_DW=compute_dw, ROUND=round_code_, RNE_BY_BITS=rne,
+        S=s, PART=part, NUM_STAGES=num_stages, num_warps=num_warps,
+    )
