@@ -5,12 +5,14 @@
 The row kernel (kernels/rms_norm.py) holds a whole row of x, dy (and w) plus an fp32 [D] dw
 partial per program in registers; the split kernel (kernels/_rms_norm_split.py) gives each of S
 programs D / S columns of every row it visits and re-reads the other parts for the row's two sums.
-Each candidate is the backward op's two launches (row or split kernel, then the dw reduction),
-timed as CUDA-graph replays in rounds that alternate between candidates; "shipped" is what
-``_rms_norm_backward`` launches today (bwd_split_launch / bwd_launch). The first session with the
-split kernel also tried a row kernel whose dw partial lived in global memory (read-added-written
-per row, L2-resident): 115 us at 2048x16384 against 82.6 (and a wrong dw where the loop's
-pipeliner prefetched the partial ahead of the previous row's store); it is not kept here.
+Each candidate is the backward op's launches (row or split kernel, then the dw reduction), timed
+as CUDA-graph replays in rounds that alternate between candidates; "shipped" is what
+``_rms_norm_backward`` launches today (bwd_split_launch / bwd_launch). "2-pass" candidates take the
+row sums from a first kernel (one program per row, column blocks of BLOCK) and read only their own
+part. The first session with the split kernel also tried a row kernel whose dw partial lived in
+global memory (read-added-written per row, L2-resident): 115 us at 2048x16384 against 82.6 (and a
+wrong dw where the loop's pipeliner prefetched the partial ahead of the previous row's store); it
+is not kept here.
 """
 import argparse
 import statistics
@@ -59,7 +61,7 @@ def candidates(m, d, x, dy, w, sms):
         return fn
 
     out = {"shipped": lambda: k._rms_norm_backward(dy, x, w, 1e-6, 0.0, True), "row kernel": row_kernel()}
-    for s in (2, 3, 4, 8):
+    for s in (2, 3, 4, 8):  # one pass: each program re-reads the other parts for the row sums
         part = launch.block_n(triton.cdiv(d, s))
         if part < 2048 or (s * part > launch.block_n(d) and s * part != d):
             continue
@@ -67,7 +69,14 @@ def candidates(m, d, x, dy, w, sms):
         for warps in (8, 16) if part >= 8192 else (4, 8):
             # stages of x and dy for all S parts in shared memory; one stage does not pipeline
             for stages in [st for st in (2, 3) if 2 * s * part * elem * st <= 224 << 10] or [1]:
-                out[f"split S={s} w={warps} st={stages}"] = split((groups, s, part, warps, stages))
+                out[f"split S={s} w={warps} st={stages}"] = split((groups, s, part, warps, stages, None))
+    for part in (4096, 8192):  # two passes: row sums first, then each program reads its own part only
+        s = triton.cdiv(d, part)
+        if s < 2:
+            continue
+        groups = max(1, min(m, sms // s))
+        for row_sums in ((2048, 4, 3), (4096, 8, 2), (1024, 4, 4)):
+            out[f"2-pass S={s} w=8 st=3 sums={row_sums}"] = split((groups, s, part, 8, 3, row_sums))
     return out
 
 

@@ -76,22 +76,31 @@ def bwd_programs_per_sm(tile_elems: int) -> int:
 
 def bwd_split_parts(d: int) -> int:
     """Backward programs per row once a row's tile reaches 16K lanes (rows wider than 8K elements),
-    where a whole row and its dw sum outgrow one program's registers: parts of 8K lanes while the x
-    and dy stages of all parts fit two deep in shared memory (up to 3 parts), else parts of 16K
-    lanes (H200, bf16, backward pair with the dw kernel, interleaved A/B, bench/probe_rms_wide.py:
-    2048x16384 2 parts 70.9 us, whole rows 82.9-98.4; 2048x18432 3 parts 178.2, 2 parts 220.0;
-    1024x32768 2 parts 158.8, 4 parts 184.0-199.6, whole rows 1028; 512x65536 4 parts 327.1,
-    8 parts 420.2)."""
-    if block_n(d) < 16384:
-        return 1
-    parts = triton.cdiv(d, 8192)
-    return parts if parts <= 3 else triton.cdiv(d, 16384)
+    where a whole row and its dw sum outgrow one program's registers: parts of 8K lanes (H200, bf16,
+    backward pair with the dw kernel, interleaved A/B, bench/probe_rms_wide.py: 2048x16384 2 parts
+    70.9 us, whole rows 82.9-98.4; 2048x12288 65.5 vs 70.1; wider rows: bwd_two_pass)."""
+    return 1 if block_n(d) < 16384 else triton.cdiv(d, 8192)
+
+
+def bwd_two_pass(parts: int) -> bool:
+    """Past 2 parts the row sums come from a first kernel instead of each program re-reading the
+    other parts (H200 bf16, same probe: 2048x18432 two passes 109.9 us, one pass 178.2; 1024x32768
+    103.6 vs 158.8 at 16K-lane parts; 512x65536 95.0 vs 327.1; at 2048x16384 two passes lose, 97.0
+    vs 70.7)."""
+    return parts > 2
+
+
+def row_sums_config() -> tuple[int, int, int]:
+    """(BLOCK, num_warps, num_stages) of the two-pass path's row sums: one program per row looping
+    over 1K-element column blocks, 4 in flight (H200 bf16, same probe, whole backward: 2048x18432
+    108.3 us vs 109.8 at 2K blocks / 3 stages and 113.2 at 4K / 8 warps / 2; 1024x32768 96.4 vs 103.6
+    and 99.3; 512x65536 95.5 vs 95.2 and 104.7)."""
+    return 1024, 4, 4
 
 
 def bwd_split_num_warps(part: int) -> int:
-    """Split backward: 8 warps for parts of 8K and 16K lanes (H200, same probe: 2048x16384 70.8 us
-    vs 82.5 at 16 warps; 2048x18432 178.2 vs 191.0; 1024x32768 158.8 vs 164.8; only 512x65536
-    preferred 16, 296.7 vs 327.1)."""
+    """Split backward: 8 warps for parts of 8K lanes (H200, same probe: 2048x16384 70.8 us vs 82.5
+    at 16 warps; 2048x18432 one pass 178.2 vs 191.0)."""
     return 8
 
 
@@ -144,16 +153,19 @@ def bwd_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[int, in
 
 
 @functools.lru_cache(maxsize=1024)
-def bwd_split_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[int, int, int, int, int] | None:
-    """(row groups, S, PART, num_warps, num_stages) of the split backward (kernels/_rms_norm_split.py),
-    or None where one program takes whole rows (bwd_launch). One program per SM; each row's stage
-    holds x and dy of all S parts."""
+def bwd_split_launch(m: int, d: int, elem: int, device: torch.device) -> tuple | None:
+    """(row groups, S, PART, num_warps, num_stages, row_sums) of the split backward
+    (kernels/_rms_norm_split.py; row_sums: row_sums_config() on the two-pass path, else None), or
+    None where one program takes whole rows (bwd_launch). One program per SM; each row's stage
+    holds x and dy of the program's part, and in one pass also of the other parts."""
     s = bwd_split_parts(d)
     if s == 1:
         return None
     part = block_n(triton.cdiv(d, s))
     groups = max(1, min(m, num_sms(device) // s))
-    return groups, s, part, bwd_split_num_warps(part), row_stages(part * elem, per_row=2 * s)
+    two_pass = bwd_two_pass(s)
+    stages = row_stages(part * elem, per_row=2 if two_pass else 2 * s)
+    return groups, s, part, bwd_split_num_warps(part), stages, row_sums_config() if two_pass else None
 
 
 @functools.lru_cache(maxsize=1024)

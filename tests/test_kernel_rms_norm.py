@@ -270,12 +270,13 @@ def test_dw_reduction_loops_over_partials(launch_patch, lead, d, block_p):
 def test_split_backward_on_wide_rows():
     """Rows wider than 8K elements (16K+-lane tiles) take the split backward (launch.bwd_split_parts):
     3 programs per row of 16500 (parts of 5500 columns in 8192-lane tiles; 4 "SMs" on CPU: one row
-    group), fp32 grads within 1e-5 of fp64 eager, with and without weight; rows of 8K elements keep
-    whole rows per program."""
+    group), their row sums from a first kernel (launch.bwd_two_pass), fp32 grads within 1e-5 of
+    fp64 eager, with and without weight; rows of 8K elements keep whole rows per program."""
     from fxfuse.kernels import _rms_norm_launch as launch
 
-    groups, parts, part, _, _ = launch.bwd_split_launch(5, 16500, 4, torch.device("cpu"))
-    assert (groups, parts, part) == (1, 3, 8192)
+    groups, parts, part, _, _, row_sums = launch.bwd_split_launch(5, 16500, 4, torch.device("cpu"))
+    assert (groups, parts, part, row_sums) == (1, 3, 8192, launch.row_sums_config())
+    assert launch.bwd_split_launch(5, 16384, 4, torch.device("cpu"))[5] is None
     assert launch.bwd_split_launch(5, 8192, 4, torch.device("cpu")) is None
     x, w, dy = _inputs((5,), 16500, torch.float32)
     ref = _fp64_grads(llama_eager, x, w, dy)
@@ -288,14 +289,19 @@ def test_split_backward_on_wide_rows():
 
 @pytest.mark.parametrize("lead,d,parts", [((23,), 1000, 3), ((37,), 40, 4), ((2, 3, 4), 24, 2), ((1,), 64, 8)])
 @pytest.mark.parametrize("style", ["llama", "gemma"])
-def test_split_backward_any_width(launch_patch, lead, d, parts, style):
-    """The split backward forced onto narrow rows: parts that do not divide D (1000 / 3), more
-    programs than rows, one row, zero-centred Gemma weights (offset 1); fp32 dx and dw within 1e-5
-    of fp64 eager, bf16 within 2x eager's error, a frozen weight (no dw) and no weight."""
+@pytest.mark.parametrize("two_pass", [False, True], ids=["one_pass", "two_pass"])
+def test_split_backward_any_width(launch_patch, lead, d, parts, style, two_pass):
+    """The split backward forced onto narrow rows, in one pass (each program re-reads the other
+    parts) and two (row sums first, in column blocks of 16 here): parts that do not divide D
+    (1000 / 3), more programs than rows, one row, zero-centred Gemma weights (offset 1); fp32 dx and
+    dw within 1e-5 of fp64 eager, bf16 within 2x eager's error, a frozen weight (no dw), no weight."""
     from fxfuse.kernels import _rms_norm_launch as launch
 
     launch_patch("bwd_split_parts", lambda d: parts)
-    assert launch.bwd_split_launch(1, d, 4, torch.device("cpu"))[1] == parts
+    launch_patch("bwd_two_pass", lambda parts: two_pass)
+    launch_patch("row_sums_config", lambda: (16, 1, 2))
+    cfg = launch.bwd_split_launch(1, d, 4, torch.device("cpu"))
+    assert cfg[1] == parts and (cfg[5] is not None) == two_pass
     eager, op, w_center = (llama_eager, llama_op, 1.0) if style == "llama" else (gemma_eager, gemma_op, 0.0)
     x, w, dy = _inputs(lead, d, torch.float32, w_center)
     ref = _fp64_grads(eager, x, w, dy)
@@ -335,11 +341,15 @@ def test_eager_rounding_backward_equals_llama_eager(monkeypatch, dtype, rows, on
     assert (once[1] != ref[1]).double().mean() > 0.2
 
 
-def test_split_backward_eager_rounding(launch_patch):
-    """numerics="eager" on the split backward (forced, 3 parts of a 96-wide row): dx and dw round as
-    eager's bf16 ``w * xhat.to(dtype)`` backward, within one unit in the last place (the row sums'
-    fp32 order differs from eager's), and most of dw differs from the single-rounding result."""
+@pytest.mark.parametrize("two_pass", [False, True], ids=["one_pass", "two_pass"])
+def test_split_backward_eager_rounding(launch_patch, two_pass):
+    """numerics="eager" on the split backward (forced, 3 parts of a 96-wide row, one pass or two):
+    dx and dw round as eager's bf16 ``w * xhat.to(dtype)`` backward, within one unit in the last
+    place (the row sums' fp32 order differs from eager's), and most of dw differs from the
+    single-rounding result."""
     launch_patch("bwd_split_parts", lambda d: 3)
+    launch_patch("bwd_two_pass", lambda parts: two_pass)
+    launch_patch("row_sums_config", lambda: (16, 1, 2))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(37, 96, generator=g).to(torch.bfloat16).requires_grad_()
     w = (1 + 0.1 * torch.randn(96, generator=g)).to(torch.bfloat16).requires_grad_()
