@@ -1,26 +1,28 @@
 """RMSNorm backward for wide rows: S programs share each row (the backward of kernels/rms_norm.py).
 
 The persistent row backward keeps a whole row of x, dy (and w) plus an fp32 [D] dw partial per
-program in registers. Past 8K elements per row (16K-lane tiles) that outgrows the register file (H200, 2048x16384
-bf16: 82.6 us with dw, 58.9 us without). Here S programs share each row; program (q, side) owns
-the columns [side * C, side * C + C), C = cdiv(D, S), of rows q, q + Q, q + 2Q, ... (Q row groups).
-It holds its own part of x, dy and w, and reads the other S - 1 parts only to finish the row's two
-sums; those reads are mostly L2 hits, since the partner programs read the same row at about the
-same time. Per row, with g = float32(dy) * w' (w' = float32(weight) + offset, 1 without weight):
+program in registers. Past 8K elements per row (16K-lane tiles) that outgrows the register file
+(H200, 2048x16384 bf16: 82.6 us with dw, 58.9 us without). Here S programs share each row; program
+(q, side) owns the columns [side * C, side * C + C), C = cdiv(D, S), of rows q, q + Q, q + 2Q, ...
+(Q row groups). It holds its own part of x, dy and w, and reads the other S - 1 parts only to finish
+the row's two sums; those reads are mostly L2 hits, since the partner programs read the same row at
+about the same time. Per row, with g = float32(dy) * w' (w' = float32(weight) + offset, 1 without
+weight):
 
     sxx  = sum over the row of xf * xf        sgx = sum over the row of g * xf
     rstd = 1 / sqrt(sxx / D + eps)            c   = sgx * rstd / D     (= sum(g * xhat) / D)
     dx[own]             = rstd * (g - xhat * c),   xhat = xf * rstd
     dw_partial[q, own] += float32(dy) * xhat        (summed over the group's rows)
 
-Two-pass (SUMS_GIVEN): for rows past three parts, whose re-reads by S programs and staged parts
+Two-pass (SUMS_GIVEN): from three parts on, where the re-reads by S programs and their staged loads
 no longer pay, a first kernel writes each row's (sxx, sgx) to a [M, 2] fp32 buffer, looping over the
 row in column blocks, and the split kernel then reads only its own part of x and dy: 5 row-sized
 transfers instead of 3, but none through an oversized register tile or unstaged loads.
 
-The math and roundings are the row kernel's (module doc of kernels/rms_norm.py, ROUND included); only
-the fp32 summation order of the two row sums differs. The [Q, D] partials go to rms_norm.py's dw
-reduction like the row kernel's [P, D]. Launch: kernels/_rms_norm_launch.py, ``bwd_split_launch``.
+The math and roundings are the row kernel's (module doc of kernels/rms_norm.py, ROUND included);
+only the fp32 summation order of the two row sums differs. The [Q, D] partials go to rms_norm.py's
+dw reduction like the row kernel's [P, D]. Launch: kernels/_rms_norm_launch.py,
+``bwd_split_launch``.
 """
 import torch
 import triton
