@@ -32,7 +32,7 @@ from ._round import round_dtype, round_to
 
 
 @triton.jit
-def _grad_out(dyf, w, HAS_WEIGHT: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr):
+def grad_out(dyf, w, HAS_WEIGHT: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr):
     """g = dy * w' (rounded as eager's product under ROUND), or dy without weight."""
     if HAS_WEIGHT:
         return round_to(dyf * w, ROUND, RNE_BY_BITS)
@@ -67,7 +67,7 @@ def _rms_norm_row_sums_kernel(
         if HAS_WEIGHT:
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
         acc_xx += xf * xf
-        acc_gx += _grad_out(dyf, w, HAS_WEIGHT, ROUND, RNE_BY_BITS) * xf
+        acc_gx += grad_out(dyf, w, HAS_WEIGHT, ROUND, RNE_BY_BITS) * xf
     tl.store(sums_ptr + row64 * 2, tl.sum(acc_xx, axis=0))
     tl.store(sums_ptr + row64 * 2 + 1, tl.sum(acc_gx, axis=0))
 
@@ -110,7 +110,7 @@ def _rms_norm_bwd_split_kernel(
         row64 = tl.cast(row, tl.int64)
         xo = tl.load(x_ptr + row64 * stride_x + own, mask=own_mask, other=0.0).to(tl.float32)
         dyo = tl.load(dy_ptr + row64 * D + own, mask=own_mask, other=0.0).to(tl.float32)
-        go = _grad_out(dyo, w_own, HAS_WEIGHT, ROUND, RNE_BY_BITS)
+        go = grad_out(dyo, w_own, HAS_WEIGHT, ROUND, RNE_BY_BITS)
         if SUMS_GIVEN:
             sxx = tl.load(sums_ptr + row64 * 2)
             sgx = tl.load(sums_ptr + row64 * 2 + 1)
@@ -127,7 +127,7 @@ def _rms_norm_bwd_split_kernel(
                 if HAS_WEIGHT:
                     wt = tl.load(w_ptr + oth, mask=oth_mask, other=0.0).to(tl.float32) + offset
                 sxx += tl.sum(xt * xt, axis=0)
-                sgx += tl.sum(_grad_out(dyt, wt, HAS_WEIGHT, ROUND, RNE_BY_BITS) * xt, axis=0)
+                sgx += tl.sum(grad_out(dyt, wt, HAS_WEIGHT, ROUND, RNE_BY_BITS) * xt, axis=0)
         rstd = tl.math.rsqrt(sxx / D + eps)
         c = sgx * rstd / D
         xhat = xo * rstd

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from . import _rms_norm_launch as launch
-from ._rms_norm_split import split_backward
+from ._rms_norm_split import grad_out, split_backward
 from ._dispatch import no_double_backward, register_autograd, use_triton
 from ._round import rne_by_bits, round_code, round_dtype, round_ref, round_to
 
@@ -152,6 +152,7 @@ def _rms_norm_bwd_kernel(
     num_progs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < D
+    w = 0.0
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
     dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -166,10 +167,7 @@ def _rms_norm_bwd_kernel(
         dyf = dy.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
         xhat = xf * rstd[:, None]
-        if HAS_WEIGHT:
-            g = round_to(dyf * w[None, :], ROUND, RNE_BY_BITS)
-        else:
-            g = dyf
+        g = grad_out(dyf, w, HAS_WEIGHT, ROUND, RNE_BY_BITS)  # w [BLOCK_N] broadcast over the rows
         c = tl.sum(g * xhat, axis=1) / D
         dx = rstd[:, None] * (g - xhat * c[:, None])
         dx = round_dtype(dx, dx_ptr.dtype.element_ty, RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
