@@ -1,6 +1,7 @@
-"""RMSNorm backward on wide rows: the row kernel against the split kernel's launch choices (A/B).
+"""RMSNorm on wide rows: the row kernels against the split backward and chunked forward (A/B).
 
     python bench/probe_rms_wide.py --shapes 2048x16384 1024x32768 --dtypes bf16 fp32 --reps 7
+    python bench/probe_rms_wide.py --pass fwd --shapes 2048x18432 4096x8192
 
 The row kernel (kernels/rms_norm.py) holds a whole row of x, dy (and w) plus an fp32 [D] dw
 partial per program in registers; the split kernel (kernels/_rms_norm_split.py) gives each of S
@@ -80,12 +81,54 @@ def candidates(m, d, x, dy, w, sms):
     return out
 
 
+def fwd_candidates(m, d, x, w, sms):
+    """name -> fn() returning (y,): the forward's row kernel (tile or persistent, as fwd_launch picks)
+    and the chunked forward (kernels/_rms_norm_chunked.py) per (BLOCK, num_warps, num_stages)."""
+    from fxfuse.kernels import _rms_norm_launch as launch
+    from fxfuse.kernels import rms_norm as k
+    from fxfuse.kernels._rms_norm_chunked import chunked_forward
+
+    flags = dict(HAS_WEIGHT=True, CAST_BEFORE_WEIGHT=True, RNE_BY_BITS=False)
+
+    def row_kernel():
+        persistent, grid, bm, bn, warps, stages = launch.fwd_launch(m, d, x.element_size(), x.device)
+        y = torch.empty_like(x)
+
+        def fn():
+            if persistent:
+                k._rms_norm_fwd_rows_kernel[(grid,)](x, w, y, m, d, d, 1e-6, 0.0, BLOCK_N=bn, NUM_STAGES=stages,
+                                                     num_warps=warps, **flags)
+            else:
+                k._rms_norm_fwd_kernel[(grid,)](x, w, y, m, d, d, 1e-6, 0.0, BLOCK_M=bm, BLOCK_N=bn,
+                                                num_warps=warps, **flags)
+            return (y,)
+        return fn
+
+    def chunked(cfg):
+        y = torch.empty_like(x)
+
+        def fn():
+            chunked_forward(x, w, y, 1e-6, 0.0, True, True, False, cfg)
+            return (y,)
+        return fn
+
+    out = {"shipped": lambda: (k._rms_norm(x, w, 1e-6, 0.0, True, x.dtype),), "row kernel": row_kernel()}
+    for block in (1024, 2048, 4096, 8192):
+        for warps in (4, 8, 16):
+            if block // (32 * warps) < 4:  # under 4 elements per thread: narrower than a 16-byte bf16 vector
+                continue
+            for stages in (2, 3, 4):
+                out[f"chunked B={block} w={warps} st={stages}"] = chunked((block, warps, stages))
+    return out
+
+
 def main():
     from fxfuse.kernels import rms_norm as k
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["2048x16384", "1024x32768", "2048x12288"])
     p.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES))
+    p.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="bwd")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--top", type=int, default=8, help="rows printed per shape, fastest first")
     args = p.parse_args()
@@ -99,26 +142,31 @@ def main():
             x = torch.randn(m, d, device="cuda", dtype=DTYPES[dtype_name])
             dy = torch.randn_like(x)
             w = torch.randn(d, device="cuda", dtype=x.dtype)
-            ref_dx, ref_dw = k._rms_norm_backward_reference(dy, x, w, 1e-6, 0.0, True)
-            graphs, worst = {}, (0.0, 0.0)
-            for name, fn in candidates(m, d, x, dy, w, sms).items():
+            if args.which == "fwd":
+                refs = (k.rms_norm_reference(x, w, 1e-6, 0.0, True, torch.float32),)
+                cands, names, nbytes = fwd_candidates(m, d, x, w, sms), ("y",), 2 * m * d * x.element_size()
+            else:
+                refs = k._rms_norm_backward_reference(dy, x, w, 1e-6, 0.0, True)
+                cands, names, nbytes = candidates(m, d, x, dy, w, sms), ("dx", "dw"), 3 * m * d * x.element_size()
+            graphs, worst = {}, [0.0] * len(refs)
+            for name, fn in cands.items():
                 try:
-                    dx, dw = fn()
+                    outs = fn()
                     torch.cuda.synchronize()
                 except Exception as exc:  # a config that does not compile (shared memory, registers)
                     print(f"{dtype_name} {shape} {name:36} failed: {type(exc).__name__}: {str(exc)[:120]}")
                     continue
-                err = ((dx.float() - ref_dx.float()).abs().max().item() / ref_dx.float().abs().max().item(),
-                       (dw.float() - ref_dw.float()).abs().max().item() / ref_dw.float().abs().max().item())
-                worst = max(worst[0], err[0]), max(worst[1], err[1])
+                for i, (got, ref) in enumerate(zip(outs, refs)):
+                    ref = ref.float()
+                    worst[i] = max(worst[i], (got.float() - ref).abs().max().item() / ref.abs().max().item())
                 graphs[name] = graphed(fn)
-            print(f"{dtype_name} {shape}: {len(graphs)} candidates, worst max|err| / max|ref| against the fp32 "
-                  f"reference: dx {worst[0]:.2e}, dw {worst[1]:.2e}", flush=True)
+            errs = ", ".join(f"{n} {e:.2e}" for n, e in zip(names, worst))
+            print(f"{dtype_name} {shape} {args.which}: {len(graphs)} candidates, worst max|err| / max|ref| "
+                  f"against the fp32 reference: {errs}", flush=True)
             times = {name: [] for name in graphs}
             for _ in range(args.reps):
                 for name, g in graphs.items():
                     times[name].append(bench_ms(g, warmup_ms=10, rep_ms=50) * 1e3)
-            nbytes = 3 * m * d * x.element_size()
             ranked = sorted(times.items(), key=lambda kv: statistics.median(kv[1]))
             for rank, (name, t) in enumerate(ranked):
                 if rank < args.top or name in ("shipped", "row kernel"):

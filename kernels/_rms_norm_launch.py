@@ -57,6 +57,24 @@ def fwd_programs_per_sm(staged_bytes: int) -> int:
     return max(1, min(3, (224 << 10) // staged_bytes))
 
 
+def fwd_chunked(d: int) -> bool:
+    """Rows wider than 16K elements run the chunked forward (kernels/_rms_norm_chunked.py) where the
+    row forward's power-of-two tile would be under 7/8 full or 64K lanes (H200 bf16, CUDA-graph A/B,
+    bench/probe_rms_wide.py --pass fwd: 2048x18432 50.5 us vs 60.7, 2048x24576 67.3 vs 70.1,
+    512x65536 53.3 vs 119.3; full 32K tiles keep the row forward, 1024x32768 46.7 vs 48.5)."""
+    bn = block_n(d)
+    return bn > 16384 and (bn > 32768 or 8 * d <= 7 * bn)
+
+
+def fwd_chunked_config(d: int, elem: int) -> tuple[int, int, int]:
+    """(BLOCK, num_warps, num_stages) of the chunked forward: 4K-column chunks (8K past 32K columns),
+    32 bytes per thread per chunk, 4 chunks in flight (same probe: bf16 2048x18432 4K / 8 warps 50.5 us,
+    8K / 8 warps 54.8; 512x65536 8K / 16 warps 53.3, 2K / 4 warps 56.8; fp32 2048x18432 4K / 16 warps
+    91.7, 4K / 8 warps 95.0)."""
+    block = 8192 if d > 32768 else 4096
+    return block, max(4, min(16, block * elem // 1024)), 4
+
+
 def row_stages(row_bytes: int, per_row: int = 1) -> int:
     """Rows in flight per persistent program: 3 (H200: 3 beat 2, 4 within 1%) while their loads fit
     in 192 KiB (the pipeliner stages them in shared memory; an H200 block has 227 KiB), fewer for
@@ -139,6 +157,12 @@ def fwd_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[bool, i
         return True, programs, 1, bn, fwd_row_num_warps(bn), stages
     bm = block_m(bn, m)
     return False, triton.cdiv(m, bm), bm, bn, fwd_num_warps(bm * bn), 1
+
+
+@functools.lru_cache(maxsize=1024)
+def fwd_chunked_launch(d: int, elem: int) -> tuple[int, int, int] | None:
+    """fwd_chunked_config where the forward walks each row in chunks (fwd_chunked), else None."""
+    return fwd_chunked_config(d, elem) if fwd_chunked(d) else None
 
 
 @functools.lru_cache(maxsize=1024)

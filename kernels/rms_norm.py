@@ -27,7 +27,8 @@ kernel sums the [P, D] partials over P (a fixed tree per column) and rounds to w
 
 Launch (kernels/_rms_norm_launch.py): the forward runs one program per tile of rows, or, for rows
 of 8K+ elements, a persistent grid of 1-D row steps whose loop loads the next rows while one is
-reduced; the backward is always persistent (its programs own the dw partial sums): whole rows per
+reduced, or, past 16K elements where a power-of-two tile would be mostly padding, one program per
+row walking it in chunks twice (kernels/_rms_norm_chunked.py); the backward is always persistent (its programs own the dw partial sums): whole rows per
 program up to 8K elements, wider rows shared by S programs that own D / S columns each
 (kernels/_rms_norm_split.py), where a whole row and its dw sum outgrow one program's registers.
 
@@ -44,6 +45,7 @@ import triton
 import triton.language as tl
 
 from . import _rms_norm_launch as launch
+from ._rms_norm_chunked import chunked_forward, scale_row
 from ._rms_norm_split import grad_out, split_backward
 from ._dispatch import no_double_backward, register_autograd, use_triton
 from ._round import rne_by_bits, round_code, round_dtype, round_ref, round_to
@@ -57,12 +59,7 @@ def _fwd_row_math(x, w, eps, D, X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, HA
     """y (Y_DTYPE) of an x tile whose rows lie along AXIS (the module doc's forward)."""
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=AXIS, keep_dims=True) / D + eps)
-    xhat = xf * rstd
-    if CAST_BEFORE_WEIGHT:
-        xhat = round_dtype(xhat, X_DTYPE, RNE_BY_BITS)
-    if HAS_WEIGHT:
-        xhat = xhat * w
-    return round_dtype(xhat, Y_DTYPE, RNE_BY_BITS).to(Y_DTYPE)
+    return scale_row(xf, rstd, w, X_DTYPE, Y_DTYPE, HAS_WEIGHT, CAST_BEFORE_WEIGHT, RNE_BY_BITS)
 
 
 @triton.jit
@@ -242,6 +239,11 @@ def _rms_norm(
     m, d = x2.shape
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     w = weight.contiguous() if weight is not None else x2
+    chunked = launch.fwd_chunked_launch(d, x.element_size())
+    if chunked is not None:
+        chunked_forward(x2, w, y.view(m, d), eps, offset, weight is not None, cast_before_weight,
+                        rne_by_bits(x.device), chunked)
+        return y
     persistent, grid, block_m, block_n, num_warps, num_stages = launch.fwd_launch(m, d, x.element_size(), x.device)
     flags = dict(HAS_WEIGHT=weight is not None, CAST_BEFORE_WEIGHT=cast_before_weight,
                  RNE_BY_BITS=rne_by_bits(x.device), BLOCK_N=block_n, num_warps=num_warps)

@@ -226,7 +226,8 @@ def launch_patch(monkeypatch):
     """Patch a launch choice of kernels/_rms_norm_launch.py; the cached launches are cleared around it."""
     from fxfuse.kernels import _rms_norm_launch as launch
 
-    cached = (launch.fwd_launch, launch.bwd_launch, launch.bwd_split_launch, launch.dw_launch)
+    cached = (launch.fwd_launch, launch.fwd_chunked_launch, launch.bwd_launch, launch.bwd_split_launch,
+              launch.dw_launch)
     for f in cached:
         f.cache_clear()
     yield lambda name, fn: monkeypatch.setattr(launch, name, fn)
@@ -248,6 +249,53 @@ def test_persistent_forward_any_width(launch_patch, lead, d, offset):
     for weight in (w, None):
         got = rms_norm(x, weight, EPS, offset, True, torch.float32)
         assert _rel(got, rms_norm_reference(x, weight, EPS, offset, True, torch.float32)) < 1e-5
+
+
+def test_chunked_forward_on_wide_rows():
+    """Rows wider than 16K elements whose power-of-two tile would be under 7/8 full, or 64K lanes,
+    take the chunked forward (launch.fwd_chunked): 3 rows of 16500 against the reference in fp32
+    (< 1e-5) and bf16 (within 2x eager's error against fp64), with and without weight; rows of 16K
+    elements and full 32K tiles keep the row forward."""
+    from fxfuse.kernels import _rms_norm_launch as launch
+
+    assert launch.fwd_chunked_launch(16500, 2) == launch.fwd_chunked_config(16500, 2) == (4096, 8, 4)
+    assert launch.fwd_chunked_launch(65536, 4) == (8192, 16, 4)
+    assert launch.fwd_chunked_launch(16384, 2) is None and launch.fwd_chunked_launch(32768, 2) is None
+    x, w, dy = _inputs((3,), 16500, torch.float32)
+    for weight in (w, None):
+        got = rms_norm(x, weight, EPS, 0.0, True, torch.float32)
+        assert _rel(got, rms_norm_reference(x, weight, EPS, 0.0, True, torch.float32)) < 1e-5
+    xb, wb, dyb = (t.to(torch.bfloat16) for t in (x, w, dy))
+    ref, got, base = _fp64_grads(llama_eager, xb, wb, dyb), _grads(llama_op, xb, wb, dyb), _grads(llama_eager, xb, wb, dyb)
+    assert _rel(got[0], ref[0]) <= 2 * _rel(base[0], ref[0])
+
+
+@pytest.mark.parametrize("lead,d,block", [((23,), 1000, 128), ((1,), 64, 16), ((2, 3, 4), 24, 16), ((5,), 40, 64)])
+@pytest.mark.parametrize("style", ["llama", "gemma"])
+def test_chunked_forward_any_width(launch_patch, lead, d, block, style):
+    """The chunked forward forced onto narrow rows: chunks that do not divide D (1000 / 128, 24 / 16),
+    one chunk wider than the row (40 / 64), one row, zero-centred Gemma weights (offset 1, fp32
+    multiply); fp32 within 1e-5 of fp64 eager with and without weight, bf16 y within 2x eager's
+    error, fp16 and a bf16 x with fp32 out through the reference's rounding points."""
+    from fxfuse.kernels import _rms_norm_launch as launch
+
+    launch_patch("fwd_chunked", lambda d: True)
+    launch_patch("fwd_chunked_config", lambda d, elem: (block, 1, 2))
+    assert launch.fwd_chunked_launch(d, 4) == (block, 1, 2)
+    eager, op, w_center = (llama_eager, llama_op, 1.0) if style == "llama" else (gemma_eager, gemma_op, 0.0)
+    x, w, dy = _inputs(lead, d, torch.float32, w_center)
+    assert _rel(op(x, w), _fp64_grads(eager, x, w, dy)[0]) < 1e-5
+    offset = 1.0 if style == "gemma" else 0.0
+    cast = style == "llama"
+    for weight in (w, None):
+        got = rms_norm(x, weight, EPS, offset, cast, torch.float32)
+        assert _rel(got, rms_norm_reference(x, weight, EPS, offset, cast, torch.float32)) < 1e-5
+    xb, wb, dyb = (t.to(torch.bfloat16) for t in (x, w, dy))
+    assert _rel(op(xb, wb), _fp64_grads(eager, xb, wb, dyb)[0]) <= 2 * _rel(eager(xb, wb), _fp64_grads(eager, xb, wb, dyb)[0])
+    for xd, out in ((x.half(), torch.float16), (xb, torch.float32)):
+        got = rms_norm(xd, w.to(xd.dtype), EPS, offset, cast, out)
+        want = rms_norm_reference(xd, w.to(xd.dtype), EPS, offset, cast, out)
+        assert got.dtype == out and _rel(got, want) <= 2 ** -8
 
 
 @pytest.mark.parametrize("lead,d", [((600,), 40), ((199,), 1000), ((2, 150), 24)])
