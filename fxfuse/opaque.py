@@ -16,6 +16,7 @@ Any other higher-order op still leaves the whole graph unfused (normalize.check_
 from __future__ import annotations
 
 import itertools
+from typing import List
 
 import torch
 import torch.fx as fx
@@ -29,8 +30,9 @@ _CALLS: dict[int, tuple] = {}  # key -> (op, args/kwargs spec, leaf kinds, const
 _keys = itertools.count()
 
 
+# typing.List, not list[...]: torch 2.6's schema inference knows only the typing aliases
 @torch.library.custom_op("fxfuse::hop", mutates_args=())
-def hop(tensors: list[torch.Tensor], sym_ints: list[int], key: int) -> list[torch.Tensor]:
+def hop(tensors: List[torch.Tensor], sym_ints: List[int], key: int) -> List[torch.Tensor]:
     """Stand-in for a higher-order op call during the re-trace; never runs."""
     raise RuntimeError("fxfuse::hop is a re-trace stand-in and was not swapped back for its call")
 

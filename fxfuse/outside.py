@@ -230,12 +230,13 @@ class _Profiler:
             handler.remove_start_callback(cls._pause)
             handler.remove_end_callback(cls._resume)
 
+    # Dynamo passes the callbacks one argument from torch 2.7 on, none before
     @classmethod
-    def _pause(cls, _args) -> None:
+    def _pause(cls, *_args) -> None:
         sys.setprofile(cls.previous)
 
     @classmethod
-    def _resume(cls, _args) -> None:
+    def _resume(cls, *_args) -> None:
         sys.setprofile(cls.hook)
 
 
