@@ -6,6 +6,22 @@ from dataclasses import dataclass, field
 
 from .report import PATTERN_NAMES
 
+# The oldest torch on which the in-place gated-MLP backward (fxfuse/reinplace.py) is tested: CPU CI
+# runs 2.13, the H200 runs 2.11; on 2.6 Inductor gave a wrong tied-embedding gradient with it
+# (tests/test_opaque.py's ReversedMLP, dynamic shapes). Versions between were not tried.
+INPLACE_MIN_TORCH = (2, 11)
+
+
+def torch_version() -> tuple[int, int]:
+    import torch
+
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def inplace_backward_verified() -> bool:
+    return torch_version() >= INPLACE_MIN_TORCH
+
 INNER = ("inductor", "aot_eager", "eager")
 DOC = {
     "inner": f"inner compiler for the rewritten graph, one of {INNER} (default 'inductor')",
@@ -20,9 +36,10 @@ DOC = {
                  "(3 matmuls, + an [N/8, V] logits block)",
     "recompute": "True (default): fused RMSNorm and SwiGLU outputs are recomputed in backward from the "
                  "inputs their backward keeps anyway, not saved for the next matmul; False: saved",
-    "inplace_backward": "True (default): under Inductor, a fused gated MLP's backward writes its gradients "
-                        "over buffers the backward no longer reads (recomputed gate under checkpointing, "
-                        "down_proj's input gradient) instead of fresh ones; False: fresh buffers",
+    "inplace_backward": "True (default from torch 2.11 on): under Inductor, a fused gated MLP's backward "
+                        "writes its gradients over buffers the backward no longer reads (recomputed gate "
+                        "under checkpointing, down_proj's input gradient) instead of fresh ones; False "
+                        "(default, and the only value, before torch 2.11): fresh buffers",
     "causal_attention": "True (default): an SDPA call whose mask is a constant causal mask gets "
                         "is_causal=True instead (and enable_gqa for repeated k/v); False: left as is",
     "numerics": "'eager' (default): in bf16/fp16 graphs the fused ops round where eager's ops store "
@@ -79,9 +96,13 @@ class Options:
         numerics = options.get("numerics", "eager")
         if numerics not in NUMERICS:
             raise ValueError(f"fxfuse: option 'numerics' must be one of {NUMERICS}, got {numerics!r}")
-        inplace = options.get("inplace_backward", True)
+        inplace = options.get("inplace_backward", inplace_backward_verified())
         if not isinstance(inplace, bool):
             raise ValueError(f"fxfuse: option 'inplace_backward' must be True or False, got {inplace!r}")
+        if inplace and not inplace_backward_verified():
+            raise ValueError(f"fxfuse: option 'inplace_backward' needs torch >= {INPLACE_MIN_TORCH[0]}."
+                             f"{INPLACE_MIN_TORCH[1]} (this is {'.'.join(map(str, torch_version()))}): on torch 2.6 Inductor ran "
+                             "the in-place gated-MLP backward into wrong gradients; leave it unset or False")
         return cls(inner, pats, debug_dir, dict(options.get("inductor_config") or {}), logits, causal,
                    loss_head, recompute, numerics, inplace)
 

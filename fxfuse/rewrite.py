@@ -194,12 +194,19 @@ def _tag_checkpointed(nodes, anchor: fx.Node) -> bool:
 def _tag_recompute(nodes) -> None:
     """Mark fused op calls for recomputation in backward. AOTAutograd copies a node's "recompute"
     meta onto the ATen nodes traced from it (torch.fx.proxy._COPY_META_FIELDS) and the min-cut
-    partitioner then recomputes them instead of saving their outputs (as for checkpointed regions)."""
+    partitioner then recomputes them instead of saving their outputs (as for checkpointed regions).
+    Before torch 2.11 they also get the largest region id: torch 2.6's partitioner reads an
+    ac_graph_id on every recompute-tagged node next to another (KeyError otherwise; later versions
+    skip untagged ones), and the largest id never makes them saved at a region boundary."""
     from torch.utils.checkpoint import CheckpointPolicy
+
+    from .options import inplace_backward_verified as tested_torch
 
     for n in nodes:
         if n.op == "call_function" and str(n.target).startswith("fxfuse."):
             n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+            if not tested_torch():
+                n.meta.setdefault("ac_graph_id", float("inf"))
 
 
 def rewrite(gm: fx.GraphModule, patterns: list[Pattern], opts: Options) -> Report:

@@ -1,8 +1,11 @@
 """Test session setup: Triton kernels run under the interpreter on CPU (set before triton is imported),
-so graph tests exercise the same kernel code a GPU runs. FXFUSE_TEST_DEVICE=cuda runs on a GPU."""
+so graph tests exercise the same kernel code a GPU runs. FXFUSE_TEST_DEVICE=cuda runs on a GPU;
+FXFUSE_TEST_KERNELS=reference leaves the interpreter off, so on CPU the fused ops run their PyTorch
+reference (for a Triton whose interpreter cannot run the kernels: 3.2, torch 2.6's; the kernel test
+files set the interpreter themselves and still need it)."""
 import os
 
-if os.environ.get("FXFUSE_TEST_DEVICE", "cpu") != "cuda":
+if os.environ.get("FXFUSE_TEST_DEVICE", "cpu") != "cuda" and os.environ.get("FXFUSE_TEST_KERNELS") != "reference":
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402

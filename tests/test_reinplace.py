@@ -229,3 +229,18 @@ def test_option_off_and_user_pass_kept():
     assert "post_grad_custom_post_pass" not in Options.parse({"inplace_backward": False}).inductor_patches()
     with pytest.raises(ValueError, match="inplace_backward"):
         Options.parse({"inplace_backward": "yes"})
+
+
+def test_off_and_refused_before_the_verified_torch(monkeypatch):
+    """Before INPLACE_MIN_TORCH (torch 2.6 gave a wrong tied-embedding gradient with the pass) the
+    default is off and asking for it is a clear error; from it on the default is on."""
+    from fxfuse import options
+
+    assert options.inplace_backward_verified() == (options.torch_version() >= options.INPLACE_MIN_TORCH)
+    monkeypatch.setattr(options, "torch_version", lambda: (2, 6))
+    assert not Options.parse({}).inplace_backward
+    assert "post_grad_custom_post_pass" not in Options.parse({}).inductor_patches()
+    with pytest.raises(ValueError, match=r"needs torch >= 2\.11 \(this is 2\.6\)"):
+        Options.parse({"inplace_backward": True})
+    monkeypatch.setattr(options, "torch_version", lambda: options.INPLACE_MIN_TORCH)
+    assert Options.parse({}).inplace_backward and "post_grad_custom_post_pass" in Options.parse({}).inductor_patches()
