@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 
 from .report import PATTERN_NAMES
 
-# The oldest torch on which the in-place gated-MLP backward (fxfuse/reinplace.py) is tested: CPU CI
-# runs 2.13, the H200 runs 2.11; on 2.6 Inductor gave a wrong tied-embedding gradient with it
-# (tests/test_opaque.py's ReversedMLP, dynamic shapes). Versions between were not tried.
-INPLACE_MIN_TORCH = (2, 11)
+# The oldest torch fxfuse is tested on end to end: CPU CI runs 2.13, the H200 runs 2.11. Below it
+# the in-place gated-MLP backward (fxfuse/reinplace.py) is off (on 2.6 Inductor gave a wrong
+# tied-embedding gradient with it: tests/test_opaque.py's ReversedMLP, dynamic shapes) and fused
+# calls carry a checkpoint region id (rewrite._tag_recompute). Versions 2.7-2.10 were not tried.
+TESTED_TORCH = (2, 11)
 
 
 def torch_version() -> tuple[int, int]:
@@ -19,8 +20,8 @@ def torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def inplace_backward_verified() -> bool:
-    return torch_version() >= INPLACE_MIN_TORCH
+def tested_torch() -> bool:
+    return torch_version() >= TESTED_TORCH
 
 INNER = ("inductor", "aot_eager", "eager")
 DOC = {
@@ -96,12 +97,12 @@ class Options:
         numerics = options.get("numerics", "eager")
         if numerics not in NUMERICS:
             raise ValueError(f"fxfuse: option 'numerics' must be one of {NUMERICS}, got {numerics!r}")
-        inplace = options.get("inplace_backward", inplace_backward_verified())
+        inplace = options.get("inplace_backward", tested_torch())
         if not isinstance(inplace, bool):
             raise ValueError(f"fxfuse: option 'inplace_backward' must be True or False, got {inplace!r}")
-        if inplace and not inplace_backward_verified():
-            raise ValueError(f"fxfuse: option 'inplace_backward' needs torch >= {INPLACE_MIN_TORCH[0]}."
-                             f"{INPLACE_MIN_TORCH[1]} (this is {'.'.join(map(str, torch_version()))}): on torch 2.6 Inductor ran "
+        if inplace and not tested_torch():
+            raise ValueError(f"fxfuse: option 'inplace_backward' needs torch >= {TESTED_TORCH[0]}."
+                             f"{TESTED_TORCH[1]} (this is {'.'.join(map(str, torch_version()))}): on torch 2.6 Inductor ran "
                              "the in-place gated-MLP backward into wrong gradients; leave it unset or False")
         return cls(inner, pats, debug_dir, dict(options.get("inductor_config") or {}), logits, causal,
                    loss_head, recompute, numerics, inplace)

@@ -200,7 +200,7 @@ def _tag_recompute(nodes) -> None:
     skip untagged ones), and the largest id never makes them saved at a region boundary."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from .options import inplace_backward_verified as tested_torch
+    from .options import tested_torch
 
     for n in nodes:
         if n.op == "call_function" and str(n.target).startswith("fxfuse."):

@@ -232,15 +232,40 @@ def test_option_off_and_user_pass_kept():
 
 
 def test_off_and_refused_before_the_verified_torch(monkeypatch):
-    """Before INPLACE_MIN_TORCH (torch 2.6 gave a wrong tied-embedding gradient with the pass) the
+    """Before TESTED_TORCH (torch 2.6 gave a wrong tied-embedding gradient with the pass) the
     default is off and asking for it is a clear error; from it on the default is on."""
     from fxfuse import options
 
-    assert options.inplace_backward_verified() == (options.torch_version() >= options.INPLACE_MIN_TORCH)
+    assert options.tested_torch() == (options.torch_version() >= options.TESTED_TORCH)
     monkeypatch.setattr(options, "torch_version", lambda: (2, 6))
     assert not Options.parse({}).inplace_backward
     assert "post_grad_custom_post_pass" not in Options.parse({}).inductor_patches()
     with pytest.raises(ValueError, match=r"needs torch >= 2\.11 \(this is 2\.6\)"):
         Options.parse({"inplace_backward": True})
-    monkeypatch.setattr(options, "torch_version", lambda: options.INPLACE_MIN_TORCH)
+    monkeypatch.setattr(options, "torch_version", lambda: options.TESTED_TORCH)
     assert Options.parse({}).inplace_backward and "post_grad_custom_post_pass" in Options.parse({}).inductor_patches()
+
+
+def test_recompute_tags_carry_a_region_id_before_the_tested_torch(monkeypatch):
+    """Before TESTED_TORCH a fused call tagged for recomputation also gets the largest checkpoint
+    region id (torch 2.6's partitioner reads one on every tagged node next to another: KeyError);
+    from it on no id is added (later partitioners skip untagged nodes)."""
+    import torch.fx as fx
+
+    from fxfuse import options
+    from fxfuse.rewrite import _tag_recompute
+
+    def graph():
+        def f(x, w):
+            return torch.ops.fxfuse.rms_norm.default(x, w, 1e-6, 0.0, True, torch.float32) * 2
+
+        return fx.symbolic_trace(f).graph
+
+    for version, tagged in (((2, 6), True), (options.TESTED_TORCH, False)):
+        monkeypatch.setattr(options, "torch_version", lambda v=version: v)
+        g = graph()
+        _tag_recompute(g.nodes)
+        fused = [n for n in g.nodes if "fxfuse" in str(n.target)]
+        assert len(fused) == 1 and "recompute" in fused[0].meta
+        assert (fused[0].meta.get("ac_graph_id") == float("inf")) == tagged
+        assert all("ac_graph_id" not in n.meta for n in g.nodes if n not in fused)
