@@ -1,14 +1,12 @@
 """CPU tests of fxfuse.clamped_swiglu (gpt-oss): the Triton kernels under the interpreter
 (TRITON_INTERPRET=1) and the PyTorch reference, against the eager spelling of HF's GptOssExperts."""
-import os
+import pytest
+import torch
 
-os.environ["TRITON_INTERPRET"] = "1"
+from fxfuse.kernels import clamped_swiglu as C
+from tests.helpers import gated_grads as grads
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from fxfuse.kernels import clamped_swiglu as C  # noqa: E402
-from tests.helpers import gated_grads as grads  # noqa: E402
+pytestmark = pytest.mark.interpreter  # the Triton kernels under the interpreter on CPU (tests/conftest.py)
 
 ALPHA, LIMIT = 1.702, 7.0  # gpt-oss-20b / 120b's swiglu_alpha, swiglu_limit
 SHAPES = [(1, 7), (199, 33), (3, 5, 130), (4, 1100)]  # 1 row, odd rows, 3-D, I > BLOCK_N

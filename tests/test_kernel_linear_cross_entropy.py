@@ -2,17 +2,14 @@
 forward; "lean": 4 matmuls): the Triton path under the interpreter (CPU), forced into many small
 row passes and vocab chunks, against eager linear + F.cross_entropy.
 FXFUSE_TEST_DEVICE=cuda (as tests/conftest.py) leaves the interpreter off for the gpu test."""
-import os
+import pytest
+import torch
 
-if os.environ.get("FXFUSE_TEST_DEVICE", "cpu") != "cuda":
-    os.environ["TRITON_INTERPRET"] = "1"
+import fxfuse.kernels._lce_chunks as lce_chunks
+import fxfuse.kernels.linear_cross_entropy as lce
+import fxfuse.kernels.linear_cross_entropy_fast as lcef
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import fxfuse.kernels._lce_chunks as lce_chunks  # noqa: E402
-import fxfuse.kernels.linear_cross_entropy as lce  # noqa: E402
-import fxfuse.kernels.linear_cross_entropy_fast as lcef  # noqa: E402
+pytestmark = pytest.mark.interpreter  # the Triton kernels under the interpreter on CPU (tests/conftest.py)
 
 OP = torch.ops.fxfuse.linear_cross_entropy
 FAST = torch.ops.fxfuse.linear_cross_entropy_fast

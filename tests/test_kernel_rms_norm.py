@@ -1,15 +1,15 @@
-"""CPU tests of fxfuse::rms_norm: the Triton kernels run under the interpreter (set below, before
-torch/triton are imported) and are checked against the PyTorch reference and eager HF-style
+"""CPU tests of fxfuse::rms_norm: the Triton kernels run under the interpreter (tests/conftest.py
+turns it on before triton is imported) and are checked against the PyTorch reference and eager HF-style
 modules (Llama: cast before weight; Gemma: (1 + w) in fp32, cast at the end)."""
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from fxfuse.kernels._dispatch import use_triton
+from fxfuse.kernels.rms_norm import rms_norm, rms_norm_reference
 
-from fxfuse.kernels._dispatch import use_triton  # noqa: E402
-from fxfuse.kernels.rms_norm import rms_norm, rms_norm_reference  # noqa: E402
+pytestmark = pytest.mark.interpreter  # the Triton kernels under the interpreter on CPU (tests/conftest.py)
 
 EPS = 1e-6
 # (leading shape, D): 1 row, 199 rows, non-powers of two, per-head [B, T, H, D], several row blocks

@@ -2,13 +2,13 @@
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import fxfuse.kernels.rope as rope_kernels
+from fxfuse.kernels.rope import rope_reference
 
-import fxfuse.kernels.rope as rope_kernels  # noqa: E402
-from fxfuse.kernels.rope import rope_reference  # noqa: E402
+pytestmark = pytest.mark.interpreter  # the Triton kernels under the interpreter on CPU (tests/conftest.py)
 
 rope = torch.ops.fxfuse.rope
 

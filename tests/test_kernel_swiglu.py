@@ -1,14 +1,12 @@
 """CPU tests of fxfuse.swiglu: the Triton kernels run under the interpreter (TRITON_INTERPRET=1)."""
-import os
+import pytest
+import torch
+import torch.nn.functional as F
 
-os.environ["TRITON_INTERPRET"] = "1"
+from fxfuse.kernels import swiglu as S
+from tests.helpers import gated_grads as grads
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from fxfuse.kernels import swiglu as S  # noqa: E402
-from tests.helpers import gated_grads as grads  # noqa: E402
+pytestmark = pytest.mark.interpreter  # the Triton kernels under the interpreter on CPU (tests/conftest.py)
 
 ACTS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 SHAPES = [(1, 7), (199, 33), (3, 5, 130), (4, 1100)]  # 1 row, odd rows, 3-D, I > BLOCK_N (2 col blocks)

@@ -1,15 +1,13 @@
 """CPU tests of fxfuse.swiglu_packed / clamped_swiglu_packed (gate and up as the halves of one
 gate_up tensor, d gate_up written whole): the Triton kernels under the interpreter and the PyTorch
 reference path, against the unpacked ops on the same views and against eager."""
-import os
+import pytest
+import torch
+import torch.nn.functional as F
 
-os.environ["TRITON_INTERPRET"] = "1"
+from fxfuse.kernels.swiglu_packed import split_packed
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from fxfuse.kernels.swiglu_packed import split_packed  # noqa: E402
+pytestmark = pytest.mark.interpreter  # the Triton kernels under the interpreter on CPU (tests/conftest.py)
 
 ALPHA, LIMIT = 1.702, 7.0
 SHAPES = [(1, 2), (199, 66), (3, 5, 260), (2, 2200)]  # I = 1, odd rows, 3-D, I > BLOCK_N

@@ -6,19 +6,15 @@ only over fresh storage nobody reads afterwards, and the rewritten graph compute
 checkpointed HF Llama compiled with Inductor places both gradients of every layer (one without
 checkpointing), Phi-3 and gpt-oss their packed d gate_up, and all keep eager's loss and gradients.
 """
-import os
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
-
-import fxfuse.kernels.clamped_swiglu  # noqa: E402,F401
-import fxfuse.kernels.swiglu  # noqa: E402,F401
-from fxfuse.options import Options  # noqa: E402
-from fxfuse.reinplace import ReinplacePass, reinplace  # noqa: E402
-from tests.helpers import batch, hf_model, inductor_in_place, random_biases  # noqa: E402
+import fxfuse.kernels.clamped_swiglu  # noqa: F401
+import fxfuse.kernels.swiglu  # noqa: F401
+from fxfuse.options import Options
+from fxfuse.reinplace import ReinplacePass, reinplace
+from tests.helpers import batch, hf_model, inductor_in_place, random_biases
 
 OPS = torch.ops.fxfuse
 SHAPES = [(1, 7), (199, 33), (3, 5, 130), (4, 1100)]
