@@ -97,13 +97,15 @@ class Options:
         numerics = options.get("numerics", "eager")
         if numerics not in NUMERICS:
             raise ValueError(f"fxfuse: option 'numerics' must be one of {NUMERICS}, got {numerics!r}")
-        inplace = options.get("inplace_backward", tested_torch())
+        tested = tested_torch()
+        inplace = options.get("inplace_backward", tested)
         if not isinstance(inplace, bool):
             raise ValueError(f"fxfuse: option 'inplace_backward' must be True or False, got {inplace!r}")
-        if inplace and not tested_torch():
-            raise ValueError(f"fxfuse: option 'inplace_backward' needs torch >= {TESTED_TORCH[0]}."
-                             f"{TESTED_TORCH[1]} (this is {'.'.join(map(str, torch_version()))}): on torch 2.6 Inductor ran "
-                             "the in-place gated-MLP backward into wrong gradients; leave it unset or False")
+        if inplace and not tested:
+            this = ".".join(map(str, torch_version()))
+            raise ValueError(f"fxfuse: option 'inplace_backward' needs torch >= {TESTED_TORCH[0]}.{TESTED_TORCH[1]} "
+                             f"(this is {this}): on torch 2.6 Inductor ran the in-place gated-MLP backward into "
+                             "wrong gradients; leave it unset or False")
         return cls(inner, pats, debug_dir, dict(options.get("inductor_config") or {}), logits, causal,
                    loss_head, recompute, numerics, inplace)
 

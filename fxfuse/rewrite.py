@@ -202,10 +202,11 @@ def _tag_recompute(nodes) -> None:
 
     from .options import tested_torch
 
+    region_id = not tested_torch()
     for n in nodes:
         if n.op == "call_function" and str(n.target).startswith("fxfuse."):
             n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-            if not tested_torch():
+            if region_id:
                 n.meta.setdefault("ac_graph_id", float("inf"))
 
 

@@ -28,9 +28,10 @@ kernel sums the [P, D] partials over P (a fixed tree per column) and rounds to w
 Launch (kernels/_rms_norm_launch.py): the forward runs one program per tile of rows, or, for rows
 of 8K+ elements, a persistent grid of 1-D row steps whose loop loads the next rows while one is
 reduced, or, past 16K elements where a power-of-two tile would be mostly padding, one program per
-row walking it in chunks twice (kernels/_rms_norm_chunked.py); the backward is always persistent (its programs own the dw partial sums): whole rows per
-program up to 8K elements, wider rows shared by S programs that own D / S columns each
-(kernels/_rms_norm_split.py), where a whole row and its dw sum outgrow one program's registers.
+row walking it in chunks twice (kernels/_rms_norm_chunked.py); the backward is always persistent
+(its programs own the dw partial sums): whole rows per program up to 8K elements, wider rows
+shared by S programs that own D / S columns each (kernels/_rms_norm_split.py), where a whole row
+and its dw sum outgrow one program's registers.
 
 Layout: rows must have a contiguous last dim (stride(-1) == 1); other inputs are copied once by
 the host wrapper. D up to ``_MAX_BLOCK_N`` (one row per register tile); wider rows take the

@@ -6,7 +6,8 @@ kernels: 3.2, torch 2.6's), and skips the tests marked ``interpreter`` (the kern
 which compare those kernels against that reference; run them in a pytest call without it."""
 import os
 
-if os.environ.get("FXFUSE_TEST_DEVICE", "cpu") != "cuda" and os.environ.get("FXFUSE_TEST_KERNELS") != "reference":
+REFERENCE_KERNELS = os.environ.get("FXFUSE_TEST_KERNELS") == "reference"
+if os.environ.get("FXFUSE_TEST_DEVICE", "cpu") != "cuda" and not REFERENCE_KERNELS:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
@@ -31,11 +32,10 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 def pytest_collection_modifyitems(config, items):
     no_gpu = pytest.mark.skip(reason="needs a CUDA device (run on the device machine)")
     no_interpreter = pytest.mark.skip(reason="FXFUSE_TEST_KERNELS=reference: the Triton interpreter is off")
-    reference = os.environ.get("FXFUSE_TEST_KERNELS") == "reference"
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)
-        elif "interpreter" in item.keywords and "gpu" not in item.keywords and reference:
+        elif "interpreter" in item.keywords and "gpu" not in item.keywords and REFERENCE_KERNELS:
             item.add_marker(no_interpreter)
 
 

@@ -227,9 +227,9 @@ def test_deepseek_v3_fused_under_inductor():
 @pytest.mark.parametrize("rows,d", [(1, 8192), (199, 8200), (517, 4096), (64, 16384), (29, 12300), (7, 18500), (33, 32768), (9, 65536)])
 def test_rms_norm_wide_rows(dtype, rows, d):
     """RMSNorm fwd+bwd on the persistent row forward (the chunked forward past 16K elements) and the
-    persistent backward (whole rows, or split across programs past 8K elements) + dw reduction across row widths whose loads no longer
-    fit three stages (launch.row_stages): compiles, and every output is within 2x eager's error
-    against fp64 (fp32: within 1e-5)."""
+    persistent backward (whole rows, or split across programs past 8K elements) + dw reduction
+    across row widths whose loads no longer fit three stages (launch.row_stages): compiles, and every
+    output is within 2x eager's error against fp64 (fp32: within 1e-5)."""
     from fxfuse.kernels.rms_norm import rms_norm
 
     g = torch.Generator(device="cuda").manual_seed(3)
