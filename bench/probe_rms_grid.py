@@ -64,7 +64,7 @@ def main() -> None:
         def run():
             compiled = k._rms_norm_bwd_kernel[(grid,)](
                 dy, x, w, y, partial, m, d, x.stride(0), 1e-6, 0.0, HAS_WEIGHT=True, COMPUTE_DW=True,
-                ROUND=0, RNE_BY_BITS=False, BLOCK_M=1, BLOCK_N=bn,
+                ROUND=0, RNE_BY_BITS=False, INDEPENDENT_SUMS=launch.bwd_independent_sums(bn), BLOCK_M=1, BLOCK_N=bn,
                 NUM_STAGES=stages, num_warps=warps)
             k._dw_reduce_kernel[(programs,)](partial, dw, grid, d, RNE_BY_BITS=False, BLOCK_P=block_p,
                                              BLOCK_D=block_d)

@@ -78,7 +78,8 @@ def probe(m: int, d: int, ceiling: float, args) -> None:
     def row_kernel(compute_dw=True, warps=bw, stages=bs):
         k._rms_norm_bwd_kernel[(grid,)](
             dy, x, w, dx, partial, m, d, d, 1e-5, 0.0, HAS_WEIGHT=True, COMPUTE_DW=compute_dw, ROUND=0,
-            RNE_BY_BITS=False, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=stages, num_warps=warps)
+            RNE_BY_BITS=False, INDEPENDENT_SUMS=launch.bwd_independent_sums(bn), BLOCK_M=bm, BLOCK_N=bn,
+            NUM_STAGES=stages, num_warps=warps)
 
     def reduce(red, bp, bd, wp):
         k._dw_reduce_kernel[(red,)](partial, dw, grid, d, RNE_BY_BITS=False, BLOCK_P=bp, BLOCK_D=bd, num_warps=wp)

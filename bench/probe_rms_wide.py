@@ -46,7 +46,8 @@ def candidates(m, d, x, dy, w, sms):
         def fn():
             k._rms_norm_bwd_kernel[(grid,)](
                 dy, x, w, dx, partial, m, d, d, 1e-6, 0.0, HAS_WEIGHT=True, COMPUTE_DW=True, ROUND=0,
-                RNE_BY_BITS=False, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=stages, num_warps=warps)
+                RNE_BY_BITS=False, INDEPENDENT_SUMS=launch.bwd_independent_sums(bn), BLOCK_M=bm, BLOCK_N=bn,
+                NUM_STAGES=stages, num_warps=warps)
             reduce(partial, grid, dw)
             return dx, dw
         return fn

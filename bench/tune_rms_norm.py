@@ -93,7 +93,8 @@ def _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem, grid)
         def bwd(warps=warps, stages=stages, grid=grid, partial=partial, red=red, block_p=block_p, block_d=block_d):
             k._rms_norm_bwd_kernel[(grid,)](
                 dy, x, w, dx, partial, m, d, x.stride(0), 1e-5, 0.0, HAS_WEIGHT=True, COMPUTE_DW=True,
-                ROUND=0, RNE_BY_BITS=False, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, num_warps=warps)
+                ROUND=0, RNE_BY_BITS=False, INDEPENDENT_SUMS=launch.bwd_independent_sums(block_n), BLOCK_M=block_m,
+                BLOCK_N=block_n, NUM_STAGES=stages, num_warps=warps)
             k._dw_reduce_kernel[(red,)](partial, dw, grid, d, RNE_BY_BITS=False, BLOCK_P=block_p, BLOCK_D=block_d)
         try:
             ms = bench_ms(graphed(bwd))

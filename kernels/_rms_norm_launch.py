@@ -92,6 +92,15 @@ def bwd_programs_per_sm(tile_elems: int) -> int:
     return max(1, min(8, 8192 // tile_elems))
 
 
+def bwd_independent_sums(bn: int) -> bool:
+    """Row backward on 8K-lane rows: both row sums straight from the loaded row (sum(g * xhat) as
+    rstd * sum(g * xf)), so the second block-wide reduction does not wait on the first (H200 bf16,
+    interleaved A/B of CUDA-graph replays, bench/probe_rms_onesum.py: 4096x8192 60.1 us vs 60.9 in
+    two calls, 2048x8192 36.5 vs 37.2); 4K-lane rows, two programs per SM, keep the dependent sums
+    (16384x4096 107.4 vs 107.3 and 108.1 vs 107.6)."""
+    return bn >= 8192
+
+
 def bwd_split_parts(d: int) -> int:
     """Backward programs per row once a row's tile reaches 16K lanes (rows wider than 8K elements),
     where a whole row and its dw sum outgrow one program's registers: parts of 8K lanes (H200, bf16,

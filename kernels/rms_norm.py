@@ -17,6 +17,8 @@ this costs a reduction in registers and saves an [M] buffer and an extra op outp
 to_x_dtype rounding of the cast_before_weight path is treated as identity, as autograd does):
     g   = float32(dy) * w'                                         [M, D]
     dx  = rstd * (g - xhat * sum(g * xhat) / D)                     [M, D], x.dtype
+    (launch.bwd_independent_sums: for 8K+-element rows sum(g * xhat) is taken as rstd * sum(g * xf),
+    both row sums straight from the loaded row instead of one waiting on the other's rstd)
     dw  = sum over rows of float32(dy) * xhat                       [D], weight.dtype
 With eager_rounding (backend option numerics="eager") on the cast_before_weight path, g and each
 dw term are rounded to dy's dtype as eager's bf16 ``w * xhat.to(dtype)`` backward stores them:
@@ -142,6 +144,7 @@ def _rms_norm_bwd_kernel(
     COMPUTE_DW: tl.constexpr,
     ROUND: tl.constexpr,  # eager's roundings of w * xhat.to(dtype)'s grads: dy * w and dy * xhat
     RNE_BY_BITS: tl.constexpr,
+    INDEPENDENT_SUMS: tl.constexpr,  # sum(g * xhat) as rstd * sum(g * xf) (module doc)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -163,10 +166,17 @@ def _rms_norm_bwd_kernel(
         dy = tl.load(dy_ptr + rows64[:, None] * D + cols[None, :], mask=mask, other=0.0)
         xf = x.to(tl.float32)
         dyf = dy.to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
-        xhat = xf * rstd[:, None]
         g = grad_out(dyf, w, HAS_WEIGHT, ROUND, RNE_BY_BITS)  # w [BLOCK_N] broadcast over the rows
-        c = tl.sum(g * xhat, axis=1) / D
+        if INDEPENDENT_SUMS:
+            sxx = tl.sum(xf * xf, axis=1)
+            sgx = tl.sum(g * xf, axis=1)
+            rstd = tl.math.rsqrt(sxx / D + eps)
+            xhat = xf * rstd[:, None]
+            c = sgx * rstd / D
+        else:
+            rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
+            xhat = xf * rstd[:, None]
+            c = tl.sum(g * xhat, axis=1) / D
         dx = rstd[:, None] * (g - xhat * c[:, None])
         dx = round_dtype(dx, dx_ptr.dtype.element_ty, RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
         tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx, mask=mask)
@@ -288,7 +298,7 @@ def _rms_norm_backward(
         _rms_norm_bwd_kernel[(grid,)](
             dy2, x2, w, dx, partial, m, d, x2.stride(0), eps, offset,
             HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, ROUND=round_, RNE_BY_BITS=rne_by_bits(x.device),
-            BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=num_warps,
+            INDEPENDENT_SUMS=launch.bwd_independent_sums(block_n), BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=num_warps,
         )
     if not compute_dw:
         return dx, x.new_empty((0,))
