@@ -28,7 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import PROVIDERS, Row, bench_ms, copy_ceiling_gbps, have_liger, peak_extra_mib, print_table  # noqa: E402
 
 DEFAULT_SHAPES = ("8192x4096x128256", "16384x2048x32000")
-LCE_PROVIDERS = (*PROVIDERS, "fxfuse-fast", "matmuls", "matmuls-passes")  # "fxfuse" = algorithm "lean"
+# "fxfuse" = the op with algorithm "lean"; "fxfuse-compiled[-lean]": the unfused definition under
+# torch.compile(backend="fxfuse") (inner Inductor; loss_head "auto" = fast, or "lean"): the user's path
+LCE_PROVIDERS = (*PROVIDERS, "fxfuse-fast", "fxfuse-compiled", "fxfuse-compiled-lean", "matmuls", "matmuls-passes")
 IGNORE_INDEX = -100
 
 
@@ -104,10 +106,25 @@ def _provider_fn(provider: str, args):
         return (lambda x, w, b, t: compiled(x, w, b, t, *extra)), ""
     if provider == "liger":
         return _liger_fn(args)
+    if provider.startswith("fxfuse-compiled"):
+        options = {"loss_head": "lean"} if provider.endswith("-lean") else {}
+        compiled = torch.compile(linear_cross_entropy_eager, backend="fxfuse", options=options)
+        return (lambda x, w, b, t: compiled(x, w, b, t, *extra)), _fused_note(options, extra, args)
     if provider in ("fxfuse", "fxfuse-fast"):
         algorithm = "fast" if provider == "fxfuse-fast" else "lean"
         return (lambda x, w, b, t: torch.ops.fxfuse.linear_cross_entropy(x, w, b, t, *extra, algorithm)), ""
     raise ValueError(provider)
+
+
+def _fused_note(options: dict, extra: tuple, args) -> str:
+    """What fxfuse.explain reports for the compiled definition on a small case of this call's options."""
+    import fxfuse
+    from fxfuse.kernels.linear_cross_entropy import linear_cross_entropy_eager
+
+    x, w, b, t = _inputs(64, 32, 128, torch.float32, args)
+    report = fxfuse.explain(linear_cross_entropy_eager, x, w, b, t, *extra, fxfuse_options=options)
+    fused = report.counts().get("linear_cross_entropy", 0)
+    return f"loss head fused {fused}x, {len(report.unmatched)} unmatched"
 
 
 def _inputs(n: int, h: int, v: int, dtype: torch.dtype, args, seed: int = 0):

@@ -13,6 +13,10 @@ Rules (user spelling -> canonical label):
   - ``div(sum(a, dims, keepdim), N)`` with N the number of summed elements -> ``mean(a, dims, keepdim)``.
   - size-dependent literals (dims, slice bounds, reshape targets) are size-relative (shapes.py).
   - ``add`` and ``mul`` are commutative: their two tensor operands match in either order.
+  - the logits' way into ``cross_entropy``: casts to fp32 and reshapes to [N, V] that merge leading
+    dims (``view(-1, V)``, ``reshape``, ``flatten(0, 1)``), each with no other user, disappear
+    (``_logits_chain``): one loss-head spelling matches 2-D and [B, T, V] logits, with or without
+    ``.float()``, in either order. The loss head's check requires the [N, V] input it implies.
 """
 from __future__ import annotations
 
@@ -174,6 +178,9 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
     for n in nodes:
         if n.op == "call_function" and n.target in CASTS and is_noop_cast(n):
             alias[n] = n.args[0]
+        if n.op == "call_function" and n.target == aten.cross_entropy_loss.default:
+            for link in _logits_chain(n.args[0]):
+                alias[link] = link.args[0]
         # sum feeding only div(sum, N) with N its element count is folded into the div (-> mean)
         if (n.op == "call_function" and n.target == aten.div.Tensor and isinstance(n.args[0], fx.Node)
                 and n.args[0].target == aten.sum.dim_IntList and len(n.args[0].users) == 1
@@ -193,6 +200,38 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
 
 
 COMMUTATIVE_LABELS = {str(op) for op in COMMUTATIVE}
+ROW_MERGES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints}
+
+
+def _merges_rows(n: fx.Node) -> bool:
+    """n reshapes [..., V] to [N, V]: leading dims merged in order, the last dim kept."""
+    from .shapes import _expr
+
+    src, out = val(n.args[0]), val(n)
+    if src is None or out is None or out.dim() != 2 or src.dim() < 2:
+        return False
+    if n.target == aten.flatten.using_ints:
+        start = n.args[1] if len(n.args) > 1 else 0
+        end = n.args[2] if len(n.args) > 2 else -1
+        return start in (0, -src.dim()) and end in (src.dim() - 2, -2)
+    return _expr(src.shape[-1]) == _expr(out.shape[-1])  # no guard on symbolic sizes
+
+
+def _to_f32_same_device(n: fx.Node) -> bool:
+    src, out = val(n.args[0]), val(n)
+    return src is not None and out is not None and out.dtype == torch.float32 and src.device == out.device
+
+
+def _logits_chain(n) -> list[fx.Node]:
+    """The casts to fp32 and [N, V] row merges directly before a cross_entropy input, each with one
+    user (the next link), nearest the loss first."""
+    chain = []
+    while isinstance(n, fx.Node) and n.op == "call_function" and len(n.users) == 1 and (
+            (n.target in CASTS and _to_f32_same_device(n))
+            or (n.target in ROW_MERGES and _merges_rows(n))):
+        chain.append(n)
+        n = n.args[0]
+    return chain
 
 
 def _canon(n: fx.Node):

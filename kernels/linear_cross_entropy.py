@@ -310,7 +310,9 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
 def linear_cross_entropy_eager(x, weight, bias, target, ignore_index=-100, reduction="mean",
                                label_smoothing=0.0, softcap=0.0, logit_scale=1.0):
     """The unfused definition (materialises [N, V]): what the matcher replaces."""
-    z = torch.nn.functional.linear(x, weight, bias) * logit_scale
+    z = torch.nn.functional.linear(x, weight, bias)
+    if logit_scale != 1.0:  # as models write it: no scale at all when there is none
+        z = z * logit_scale
     if softcap > 0:
         z = softcap * torch.tanh(z / softcap)
     return torch.nn.functional.cross_entropy(z.float(), target, ignore_index=ignore_index,

@@ -2,8 +2,12 @@
 
 The fused op never materialises the [N, V] logits, their fp32 copy or their gradient. Spellings:
 HF ``ForCausalLMLoss`` (``logits.float()``, ``view(-1, V)``), Gemma 2's softcap
-``tanh(z / c) * c``, a logit scale (Cohere ``* s``, Granite ``/ s``), torchtitan's ``flatten(0, 1)``, class dim second
-(``[B, V, T]`` with ``[B, T]`` targets), nanoGPT's plain linear, ``x @ W.t()``, a bias, 2-D inputs.
+``tanh(z / c) * c``, a logit scale (Cohere ``* s``, Granite ``/ s``), each with or without a bias,
+and class dim second (``[B, V, T]`` with ``[B, T]`` targets). The canonical view (fxfuse/canon.py)
+makes the rest the same graphs: ``x @ W.t()`` reads as ``F.linear`` (normalize.canonical_linear),
+and the casts to fp32 and [N, V] row merges on the logits' way into cross_entropy disappear, so
+torchtitan's ``flatten(0, 1).float()``, nanoGPT's uncast ``view(-1, V)`` and 2-D hidden states all
+match ``lce_hf`` (check then requires cross_entropy's input to be [N, V]).
 reduction, ignore_index and label_smoothing are captured (HF's ``sum / num_items_in_batch`` keeps
 its division outside the site). Label pad-and-shift stays outside: the target is whatever the graph
 hands cross_entropy.
@@ -66,9 +70,22 @@ def lce_hf_bias(x, w, b, target, ignore_index=-100, label_smoothing=0.0):
     return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
 
 
-def lce_flatten(x, w, target, ignore_index=-100, label_smoothing=0.0):
-    """torchtitan: pred.flatten(0, 1).float()."""
-    return _ce(F.linear(x, w).flatten(0, 1).float(), target, ignore_index, label_smoothing)
+def lce_bias_softcap(x, w, b, target, softcap=30.0, ignore_index=-100, label_smoothing=0.0):
+    """A biased lm_head (GPT-J, Phi-2, CodeGen) before Gemma 2's softcap."""
+    logits = torch.tanh(F.linear(x, w, b) / softcap) * softcap
+    return _ce(logits.float().view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
+def lce_bias_scaled(x, w, b, target, logit_scale=1.0, ignore_index=-100, label_smoothing=0.0):
+    """A biased lm_head before Cohere's logit scale."""
+    logits = (F.linear(x, w, b) * logit_scale).float()
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
+def lce_bias_divided(x, w, b, target, logits_scaling=1.0, ignore_index=-100, label_smoothing=0.0):
+    """A biased lm_head before Granite's logits / logits_scaling."""
+    logits = (F.linear(x, w, b) / logits_scaling).float()
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
 
 
 def lce_class_dim_second(x, w, target2d, ignore_index=-100, label_smoothing=0.0):
@@ -76,21 +93,8 @@ def lce_class_dim_second(x, w, target2d, ignore_index=-100, label_smoothing=0.0)
     return _ce(F.linear(x, w).float().transpose(1, 2), target2d, ignore_index, label_smoothing)
 
 
-def lce_matmul(x, w, target, ignore_index=-100, label_smoothing=0.0):
-    """Hand-written heads: x @ W.t(), no cast. normalize.canonical_linear turns every matmul on a
-    transposed 2-D weight (.t(), .T, transpose, permute) into F.linear, in this trace and in the
-    model's graph, so each F.linear variant here also matches its matmul spelling."""
-    logits = x @ w.t()
-    return _ce(logits.view(-1, logits.size(-1)), target, ignore_index, label_smoothing)
-
-
-def lce_2d(x2d, w, target, ignore_index=-100, label_smoothing=0.0):
-    """Already-flat hidden states [N, H]."""
-    return _ce(F.linear(x2d, w).float(), target, ignore_index, label_smoothing)
-
-
 def _x(m) -> fx.Node:
-    return m.inputs.get("x", m.inputs.get("x2d"))
+    return m.inputs["x"]
 
 
 def _target(m) -> fx.Node:
@@ -112,6 +116,11 @@ def check(m) -> str | None:
         return "reduction='none' is not fused (the op returns a scalar)"
     if w.dim() != 2 or (b is not None and b.dim() != 1):
         return f"weight {list(w.shape)} is not [V, H]"
+    logits = val(m.anchor.args[0])
+    if m.variant.fn is not lce_class_dim_second and (logits is None or logits.dim() != 2):
+        # the canonical view elides the [N, V] row merges before cross_entropy (canon._logits_chain)
+        return (f"cross_entropy's input has shape {list(logits.shape) if logits is not None else '?'}, not "
+                "[N, V] logits (with its class dim elsewhere the fused op would read the wrong axis)")
     return None
 
 
@@ -184,16 +193,16 @@ PATTERN = Pattern(
         Variant(lce_hf_softcap, {}),
         Variant(lce_hf_scaled, {}),
         Variant(lce_hf_divided, {}),
+        Variant(lce_bias_softcap, {}),
+        Variant(lce_bias_scaled, {}),
+        Variant(lce_bias_divided, {}),
         Variant(lce_hf_bias, {}),
         Variant(lce_hf, {}),
-        Variant(lce_flatten, {}),
         Variant(lce_class_dim_second, {}),
-        Variant(lce_matmul, {}),
-        Variant(lce_2d, {}),
     ),
-    shapes={"x": (2, 3, 22), "x2d": (6, 22), "w": (50, 22), "b": (50,), "target": (6,), "target2d": (2, 3)},
-    dtypes=({"x": _bf, "x2d": _bf, "w": _bf, "b": _bf, "target": _i64, "target2d": _i64},
-            {"x": _f32, "x2d": _f32, "w": _f32, "b": _f32, "target": _i64, "target2d": _i64}),
+    shapes={"x": (2, 3, 22), "w": (50, 22), "b": (50,), "target": (6,), "target2d": (2, 3)},
+    dtypes=({"x": _bf, "w": _bf, "b": _bf, "target": _i64, "target2d": _i64},
+            {"x": _f32, "w": _f32, "b": _f32, "target": _i64, "target2d": _i64}),
     check=check,
     lower=lower,
     may_escape=_returned_only,

@@ -98,13 +98,19 @@ class Head(torch.nn.Module):
         if self.spelling == "scaled":
             logits = (self.lin(x) * 0.5).float()
             return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        if self.spelling == "flat_bias_scaled":  # 2-D hidden states, a biased head, a logit scale
+            return F.cross_entropy((self.lin(x.flatten(0, 1)) * 0.5).float(), labels.flatten())
+        if self.spelling == "cast_then_flatten_softcap":  # .float() before flatten, a biased head
+            logits = torch.tanh(self.lin(x) / 30.0) * 30.0
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), reduction="sum")
         return F.cross_entropy(self.lin(x).float().view(-1, 70), labels.view(-1))
 
 
 @pytest.mark.parametrize("spelling,variant,bias", [
-    ("matmul", "lce_hf", False), ("matmul_flatten", "lce_flatten", False),
+    ("matmul", "lce_hf", False), ("matmul_flatten", "lce_hf", False),
     ("matmul_transpose_scaled", "lce_hf_scaled", False), ("class_dim_second", "lce_class_dim_second", False),
-    ("flatten", "lce_flatten", False), ("scaled", "lce_hf_scaled", False), ("bias", "lce_hf_bias", True)])
+    ("flatten", "lce_hf", False), ("scaled", "lce_hf_scaled", False), ("bias", "lce_hf_bias", True),
+    ("flat_bias_scaled", "lce_bias_scaled", True), ("cast_then_flatten_softcap", "lce_bias_softcap", True)])
 def test_hand_written_heads(spelling, variant, bias):
     torch.manual_seed(0)
     model = Head(spelling, bias=bias)
@@ -113,6 +119,80 @@ def test_hand_written_heads(spelling, variant, bias):
     loss_err, grad_err, report, _ = compiled_parity(model, {"x": x, "labels": labels}, loss_fn=lambda out: out)
     assert [s.variant for s in report.matched] == [variant], str(report)
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+def _head_fn(layout, transform, bias, cast):
+    """F.linear -> transform -> [.float()] -> layout -> cross_entropy, as hand-written code spells it."""
+    F = torch.nn.functional
+
+    def fn(x, w, b, t):
+        z = F.linear(x, w, b if bias else None)
+        if transform == "scale":
+            z = z * 0.5
+        elif transform == "divide":
+            z = z / 2.0
+        elif transform == "softcap":
+            z = torch.tanh(z / 30.0) * 30.0
+        z = z.float() if cast else z
+        z = z.view(-1, z.shape[-1]) if layout == "view" else z.flatten(0, 1) if layout == "flatten" else z
+        return F.cross_entropy(z, t.view(-1))
+    return fn
+
+
+# (dtype, cast): in fp32 .float() is no op, so only bf16 runs without it
+HEAD_OPTIONS = [pytest.param(dt, layout, transform, bias, cast,
+                             id=f"{str(dt)[6:]}-{layout}-{transform}-{'bias' if bias else 'no_bias'}-{'float' if cast else 'no_cast'}")
+                for dt, cast in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False))
+                for layout in ("2d", "view", "flatten") for transform in ("none", "scale", "divide", "softcap")
+                for bias in (False, True)]
+
+
+@pytest.mark.parametrize("dtype,layout,transform,bias,cast", HEAD_OPTIONS)
+def test_every_combination_of_head_options_fuses(dtype, layout, transform, bias, cast):
+    """Issue 3's options are independent: 2-D hidden states or [B, T, H] with view / flatten, any
+    logit transform, with or without a bias and .float(): each is one fused site, nothing unmatched."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*((16,) if layout == "2d" else (2, 8)), 16, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(40, 16, generator=g).to(dtype).requires_grad_()
+    b = torch.randn(40, generator=g).to(dtype).requires_grad_()
+    t = torch.randint(0, 40, (16,), generator=g)
+    report = fxfuse.explain(_head_fn(layout, transform, bias, cast), x, w, b, t)
+    assert report.counts()["linear_cross_entropy"] == 1 and not report.unmatched, str(report)
+
+
+@pytest.mark.parametrize("layout,transform", [("2d", "softcap"), ("flatten", "scale")])
+def test_bf16_uncast_head_within_twice_eager_error(layout, transform):
+    """A bf16 head with no .float() (cross_entropy on bf16 logits) and a bias, fused: loss and
+    gradients within 2x eager bf16's error against the fp32 computation on the same values."""
+    fn = _head_fn(layout, transform, True, False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*((48,) if layout == "2d" else (4, 12)), 32, generator=g)
+    w, b = 0.2 * torch.randn(96, 32, generator=g), torch.randn(96, generator=g)
+    t = torch.randint(0, 96, (48,), generator=g)
+    t[::7] = -100
+
+    def run(f, dtype):
+        leaves = [v.to(dtype).requires_grad_() for v in (x, w, b)]
+        loss = f(*leaves, t)
+        return [loss.float(), *(d.float() for d in torch.autograd.grad(loss, leaves))]
+
+    ref = run(fn, torch.float32)
+    eager = run(fn, torch.bfloat16)
+    mine = run(torch.compile(fn, backend="fxfuse", options={"inner": "aot_eager"}), torch.bfloat16)
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1
+    for name, e, f, r in zip(("loss", "dx", "dw", "db"), eager, mine, ref):
+        assert rel_err(f, r) <= 2 * rel_err(e, r), (name, rel_err(f, r), rel_err(e, r))
+
+
+def test_cross_entropy_over_another_axis_is_not_fused():
+    """Logits [B, T, V] handed to cross_entropy whole (class dim 1 = T, targets [B, V]) are a
+    different loss: the row-merge elision must not make them look like [N, V] logits."""
+    lin = torch.nn.Linear(16, 6)
+    x, t = torch.randn(2, 6, 16), torch.randint(0, 6, (2, 6))
+    report = fxfuse.explain(lambda x, t: torch.nn.functional.cross_entropy(lin(x).float(), t), x, t)
+    assert report.counts()["linear_cross_entropy"] == 0
+    (site,) = [s for s in report.unmatched if s.pattern == "linear_cross_entropy"]
+    assert "not [N, V] logits" in site.reason, site.reason
 
 
 def test_logits_used_in_graph_is_not_fused():
