@@ -10,6 +10,8 @@ Rules (user spelling -> canonical label):
     the dtype; a cast that does not change dtype or device disappears (its users see its input).
   - ``mul(a, a)``, ``square(a)`` -> ``pow(a, 2)``;  ``pow(a, -0.5)`` -> ``rsqrt(a)``;
     ``div(a, sqrt(b))`` -> ``mul(a, rsqrt(b))`` (the sqrt has no other user).
+  - ``reciprocal(sqrt(b))`` (``1.0 / torch.sqrt(b)``) -> ``rsqrt(b)``; a ``mul`` or ``div`` by the literal 1
+    that keeps the dtype disappears (Python's ``1.0 / t`` traces as ``reciprocal(t) * 1.0``).
   - ``div(sum(a, dims, keepdim), N)`` with N the number of summed elements -> ``mean(a, dims, keepdim)``.
   - size-dependent literals (dims, slice bounds, reshape targets) are size-relative (shapes.py).
   - ``add`` and ``mul`` are commutative: their two tensor operands match in either order.
@@ -144,6 +146,25 @@ def _is_divisor_sqrt(n) -> bool:
     return user.target == aten.div.Tensor and user.args[1] is n and user.args[0] is not n
 
 
+def _is_reciprocal_sqrt(n) -> bool:
+    """n is sqrt(b) used only by a reciprocal: the pair reads as rsqrt(b)."""
+    return (isinstance(n, fx.Node) and n.target == aten.sqrt.default and len(n.users) == 1
+            and next(iter(n.users)).target == aten.reciprocal.default)
+
+
+def _is_unit_scale(n: fx.Node) -> bool:
+    """mul(t, 1) / mul(1, t) / div(t, 1) with t keeping its dtype: the identity."""
+    if n.op != "call_function" or n.target not in (aten.mul.Tensor, aten.div.Tensor) or len(n.args) != 2:
+        return False
+    a, b = n.args
+    if n.target == aten.mul.Tensor and not isinstance(a, fx.Node):
+        a, b = b, a
+    if not isinstance(a, fx.Node) or isinstance(b, bool) or not isinstance(b, (int, float)) or b != 1:
+        return False
+    src, out = val(a), val(n)
+    return src is not None and out is not None and src.dtype == out.dtype
+
+
 def static_int(s) -> int | None:
     """s as a Python int if it is one, else None. Never guards on a symbolic size (int() would
     specialise it and make Dynamo recompile for every sequence length)."""
@@ -178,6 +199,10 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
     for n in nodes:
         if n.op == "call_function" and n.target in CASTS and is_noop_cast(n):
             alias[n] = n.args[0]
+        if _is_unit_scale(n):
+            alias[n] = n.args[0] if isinstance(n.args[0], fx.Node) else n.args[1]
+        if _is_reciprocal_sqrt(n):
+            absorbed.add(n)
         if n.op == "call_function" and n.target == aten.cross_entropy_loss.default:
             for link in _logits_chain(n.args[0]):
                 alias[link] = link.args[0]
@@ -254,6 +279,8 @@ def _canon(n: fx.Node):
         return str(aten.mul.Tensor), (EDGE, EDGE), [("0", n.args[0]), ("1", n.args[1])], [n]
     if t == aten.sqrt.default and _is_divisor_sqrt(n):
         return str(aten.rsqrt.default), (EDGE,), [("0", n.args[0])], [n]
+    if t == aten.reciprocal.default and _is_reciprocal_sqrt(n.args[0]):
+        return str(aten.rsqrt.default), (EDGE,), [("0", n.args[0].args[0])], [n.args[0], n]
     if t == aten.div.Tensor and isinstance(n.args[0], fx.Node) and n.args[0].target == aten.sum.dim_IntList \
             and len(n.args[0].users) == 1 and _summed_numel(n.args[0]) == n.args[1]:
         s = n.args[0]

@@ -106,6 +106,15 @@ def _centred(rsqrt: fx.Node, hops: int = 5) -> bool:
     return False
 
 
+def _inverse_root(n: fx.Node) -> bool:
+    """rsqrt, or a sqrt that is divided by or inverted (``x / sqrt(v)``, ``1 / sqrt(v)``)."""
+    aten = torch.ops.aten
+    if n.target == aten.rsqrt.default:
+        return True
+    return n.target == aten.sqrt.default and any(
+        u.target == aten.reciprocal.default or (u.target == aten.div.Tensor and u.args[1] is n) for u in n.users)
+
+
 _bf, _f32 = torch.bfloat16, torch.float32
 PATTERN = Pattern(
     name="rms_norm",
@@ -124,5 +133,5 @@ PATTERN = Pattern(
     lower=lower,
     recompute=True,
     is_candidate=lambda n: n.target == torch.ops.aten.rms_norm.default or (
-        n.target == torch.ops.aten.rsqrt.default and not _centred(n)),
+        _inverse_root(n) and not _centred(n)),
 )

@@ -53,6 +53,8 @@ SPELLINGS = {
     "x_times_x": lambda x, w, eps: x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w,
     "sum_over_n": lambda x, w, eps: x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) / x.shape[-1] + eps) * w,
     "div_sqrt": lambda x, w, eps: x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w,
+    "one_over_sqrt": lambda x, w, eps: x * (1.0 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w,
+    "reciprocal_sqrt": lambda x, w, eps: w * (x * torch.reciprocal(torch.sqrt((x * x).mean(-1, keepdim=True) + eps))),
     "pow_minus_half": lambda x, w, eps: x * (x.pow(2).mean(-1, keepdim=True) + eps) ** -0.5 * w,
     "weight_first": lambda x, w, eps: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)),
     "llama_upcast": _llama,
@@ -143,6 +145,21 @@ def test_near_miss_reported_with_reason(shared, dtype):
     # still correct when compiled: the site stays unfused
     out = torch.compile(model, backend="fxfuse", options={"inner": "eager"})(x)
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("inverse", ["div_sqrt", "one_over_sqrt"])
+def test_near_miss_without_rsqrt_is_reported(inverse):
+    """A spelling with no rsqrt op (x / sqrt(v), x * (1 / sqrt(v))) whose variance is used elsewhere
+    is still a candidate: reported unmatched with the reason, not passed over silently."""
+    def norm(x, w):
+        v = x.pow(2).mean(-1, keepdim=True) + 1e-6
+        y = x / torch.sqrt(v) if inverse == "div_sqrt" else x * (1.0 / torch.sqrt(v))
+        return (w * y).sum() + v.sum()
+
+    report = fxfuse.explain(norm, torch.randn(4, 16), torch.randn(16))
+    assert report.counts()["rms_norm"] == 0
+    (site,) = [s for s in report.unmatched if s.pattern == "rms_norm"]
+    assert "also used outside" in site.reason, site.reason
 
 
 def test_eps_computed_in_the_graph_is_specialised_with_a_guard():
