@@ -105,6 +105,9 @@ def main() -> None:
               f"{peak.item():.2f} GiB/GPU, loss {loss.item():.4f}")
         if args.impl == "fxfuse":
             print(fxfuse.patch_report(model))
+    # both ranks at the end before the group goes: a rank tearing gloo down while its peer was still
+    # printing aborted once in CI under load ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -10,6 +10,7 @@ Rules (user spelling -> canonical label):
     the dtype; a cast that does not change dtype or device disappears (its users see its input).
   - ``mul(a, a)``, ``square(a)`` -> ``pow(a, 2)``;  ``pow(a, -0.5)`` -> ``rsqrt(a)``;
     ``div(a, sqrt(b))`` -> ``mul(a, rsqrt(b))`` (the sqrt has no other user).
+  - ``div(a, 1 + exp(-b))`` -> ``mul(a, sigmoid(b))`` (SiLU written from its definition);
   - ``reciprocal(sqrt(b))`` (``1.0 / torch.sqrt(b)``) -> ``rsqrt(b)``; a ``mul`` or ``div`` by the literal 1
     that keeps the dtype disappears (Python's ``1.0 / t`` traces as ``reciprocal(t) * 1.0``).
   - ``div(sum(a, dims, keepdim), N)`` with N the number of summed elements -> ``mean(a, dims, keepdim)``.
@@ -152,6 +153,33 @@ def _is_reciprocal_sqrt(n) -> bool:
             and next(iter(n.users)).target == aten.reciprocal.default)
 
 
+def _logistic_exp(n) -> fx.Node | None:
+    """The exp node where n is ``1 + exp(-b)`` (either operand order), its exp and neg used only there."""
+    if not (isinstance(n, fx.Node) and n.target == aten.add.Tensor and len(n.args) == 2):
+        return None
+    e, one = n.args if isinstance(n.args[0], fx.Node) else n.args[::-1]
+    if one != 1 or isinstance(one, bool) or not isinstance(e, fx.Node) or e.target != aten.exp.default:
+        return None
+    neg = e.args[0]
+    if not (isinstance(neg, fx.Node) and neg.target == aten.neg.default and len(e.users) == 1 and len(neg.users) == 1):
+        return None
+    return e
+
+
+def logistic_denominator(n) -> fx.Node | None:
+    """b where n is ``1 + exp(-b)`` (see _logistic_exp), else None."""
+    e = _logistic_exp(n)
+    return e.args[0].args[0] if e is not None else None
+
+
+def _is_logistic_divisor(n) -> bool:
+    """n is ``1 + exp(-b)`` used only as the divisor of a div: the pair reads as mul(a, sigmoid(b))."""
+    if logistic_denominator(n) is None or len(n.users) != 1:
+        return False
+    user = next(iter(n.users))
+    return user.target == aten.div.Tensor and user.args[1] is n and user.args[0] is not n
+
+
 def _is_unit_scale(n: fx.Node) -> bool:
     """mul(t, 1) / mul(1, t) / div(t, 1) with t keeping its dtype: the identity."""
     if n.op != "call_function" or n.target not in (aten.mul.Tensor, aten.div.Tensor) or len(n.args) != 2:
@@ -203,6 +231,9 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
             alias[n] = n.args[0] if isinstance(n.args[0], fx.Node) else n.args[1]
         if _is_reciprocal_sqrt(n):
             absorbed.add(n)
+        if _is_logistic_divisor(n):
+            e = _logistic_exp(n)
+            absorbed |= {e, e.args[0]}  # exp, neg: folded into the sigmoid the add reads as
         if n.op == "call_function" and n.target == aten.cross_entropy_loss.default:
             for link in _logits_chain(n.args[0]):
                 alias[link] = link.args[0]
@@ -279,6 +310,11 @@ def _canon(n: fx.Node):
         return str(aten.mul.Tensor), (EDGE, EDGE), [("0", n.args[0]), ("1", n.args[1])], [n]
     if t == aten.sqrt.default and _is_divisor_sqrt(n):
         return str(aten.rsqrt.default), (EDGE,), [("0", n.args[0])], [n]
+    if t == aten.add.Tensor and _is_logistic_divisor(n):
+        e = _logistic_exp(n)
+        return str(aten.sigmoid.default), (EDGE,), [("0", e.args[0].args[0])], [e.args[0], e, n]
+    if t == aten.div.Tensor and _is_logistic_divisor(n.args[1]):
+        return str(aten.mul.Tensor), (EDGE, EDGE), [("0", n.args[0]), ("1", n.args[1])], [n]
     if t == aten.reciprocal.default and _is_reciprocal_sqrt(n.args[0]):
         return str(aten.rsqrt.default), (EDGE,), [("0", n.args[0].args[0])], [n.args[0], n]
     if t == aten.div.Tensor and isinstance(n.args[0], fx.Node) and n.args[0].target == aten.sum.dim_IntList \

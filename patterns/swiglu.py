@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxfuse.canon import val
+from fxfuse.canon import logistic_denominator, val
 from fxfuse.pattern import Pattern, Variant
 
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
@@ -171,13 +171,16 @@ def _unscattered_grads(m) -> list:
 
 def _is_candidate(n: fx.Node) -> bool:
     """silu / gelu feeding a product, or sigmoid(x) (or sigmoid(alpha * x)) multiplied by its own x
-    (SiLU spelled out; gpt-oss's GLU); a sigmoid gate on something else (Qwen2-MoE's shared-expert
-    gate) is not a gated MLP."""
+    (SiLU spelled out; gpt-oss's GLU), or x / (1 + exp(-x)) feeding a product; a sigmoid gate on
+    something else (Qwen2-MoE's shared-expert gate) is not a gated MLP."""
     muls = [u for u in n.users if u.target == torch.ops.aten.mul.Tensor]
     if n.target in (torch.ops.aten.silu.default, torch.ops.aten.gelu.default):
         return bool(muls)
     if n.target == torch.ops.aten.relu.default:
         return _relu_gate(n)
+    if n.target == torch.ops.aten.div.Tensor:  # x / (1 + exp(-x)), SiLU from its definition, times up
+        return logistic_denominator(n.args[1]) is n.args[0] and any(
+            u.target == torch.ops.aten.mul.Tensor for u in n.users)
     return n.target == torch.ops.aten.sigmoid.default and (
         any(n.args[0] in u.args for u in muls) or _scaled_self_gate(n))
 

@@ -72,6 +72,8 @@ class HandMLP(nn.Module):
             h = F.relu(g) * u
         elif self.spelling == "relu_pow":
             h = F.relu(g).pow(2) * u
+        elif self.spelling == "silu_definition":  # x / (1 + exp(-x))
+            h = u * (g / (1 + torch.exp(-g)))
         elif self.spelling == "relu_self_mul":
             r = torch.relu(g)
             h = u * (r * r)
@@ -83,7 +85,8 @@ class HandMLP(nn.Module):
 @pytest.mark.parametrize("spelling,variant", [("sigmoid", "swiglu_sigmoid"), ("up_first", "swiglu_silu"),
                                               ("gelu", "geglu"), ("relu", "reglu"),
                                               ("relu_pow", "reglu_squared_bitnet"),
-                                              ("relu_self_mul", "reglu_squared_bitnet")])
+                                              ("relu_self_mul", "reglu_squared_bitnet"),
+                                              ("silu_definition", "swiglu_sigmoid")])
 def test_hand_written_spellings(spelling, variant):
     torch.manual_seed(0)
     model = HandMLP(spelling=spelling)
@@ -103,6 +106,21 @@ class ActUsedTwice(nn.Module):
     def forward(self, x):
         a = F.silu(self.g(x))
         return (a * self.u(x)).sum() + a.sum()
+
+
+def test_near_miss_silu_definition_reported():
+    """x / (1 + exp(-x)) * up whose activation also feeds a second branch: a candidate, unmatched
+    with the reason (before the canonical view read it as x * sigmoid(x) it was not even a candidate)."""
+    g, u = torch.randn(3, 16), torch.randn(3, 16)
+
+    def fn(g, u):
+        a = g / (1 + torch.exp(-g))
+        return (a * u).sum() + a.sum()
+
+    report = fxfuse.explain(fn, g, u)
+    assert report.counts()["swiglu"] == 0
+    (site,) = [s for s in report.unmatched if s.pattern == "swiglu"]
+    assert "also used outside" in site.reason, site.reason
 
 
 def test_near_miss_activation_used_elsewhere():
