@@ -10,6 +10,8 @@ Rules (user spelling -> canonical label):
     the dtype; a cast that does not change dtype or device disappears (its users see its input).
   - ``mul(a, a)``, ``square(a)`` -> ``pow(a, 2)``;  ``pow(a, -0.5)`` -> ``rsqrt(a)``;
     ``div(a, sqrt(b))`` -> ``mul(a, rsqrt(b))`` (the sqrt has no other user).
+  - pieces of ``chunk`` / ``split`` / ``split_with_sizes`` (their getitems) and ``narrow`` -> the
+    ``slice`` of the same range (``x.chunk(2, -1)[1]`` reads as ``x[..., D/2:]``); ``mul(a, -1)`` -> ``neg(a)``.
   - ``div(a, 1 + exp(-b))`` -> ``mul(a, sigmoid(b))`` (SiLU written from its definition);
   - ``reciprocal(sqrt(b))`` (``1.0 / torch.sqrt(b)``) -> ``rsqrt(b)``; a ``mul`` or ``div`` by the literal 1
     that keeps the dtype disappears (Python's ``1.0 / t`` traces as ``reciprocal(t) * 1.0``).
@@ -31,7 +33,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from .shapes import _neg, shape_literals
+from .shapes import _frac, _neg, shape_literals
 
 aten = torch.ops.aten
 
@@ -180,6 +182,69 @@ def _is_logistic_divisor(n) -> bool:
     return user.target == aten.div.Tensor and user.args[1] is n and user.args[0] is not n
 
 
+SPLITS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default}
+
+
+def _piece_range(n) -> tuple[fx.Node, int, int, int, int] | None:
+    """(x, dim, start, end, size of dim) when n is a contiguous piece of x along one dim: a getitem
+    of a chunk / split / split_with_sizes whose users are all getitems, or a narrow; static sizes
+    only (a symbolic one would be guarded by the arithmetic)."""
+    if not isinstance(n, fx.Node) or n.op != "call_function":
+        return None
+    if n.target == aten.narrow.default:
+        x, dim, start, length = n.args
+        parent = None
+    elif n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0].target in SPLITS:
+        parent, i = n.args
+        if any(u.target is not operator.getitem for u in parent.users):
+            return None
+        x, arg = parent.args[0], parent.args[1]
+        dim = parent.args[2] if len(parent.args) > 2 else parent.kwargs.get("dim", 0)
+    else:
+        return None
+    v = val(x)
+    if v is None or not isinstance(dim, int) or v.dim() == 0:
+        return None
+    dim = dim % v.dim()
+    size = static_int(v.shape[dim])
+    if size is None:
+        return None
+    if parent is None:
+        if not (isinstance(start, int) and isinstance(length, int)):
+            return None
+        start = start % size if start < 0 else start
+        return x, dim, start, start + length, size
+    if parent.target == aten.split_with_sizes.default:
+        sizes = list(arg)
+    else:
+        if not isinstance(arg, int) or arg <= 0:
+            return None
+        step = -(-size // arg) if parent.target == aten.chunk.default else arg
+        sizes = [min(step, size - k) for k in range(0, size, step)]
+    if not all(isinstance(z, int) for z in sizes) or i >= len(sizes):
+        return None
+    start = sum(sizes[:i])
+    return x, dim, start, start + sizes[i], size
+
+
+def _scalar_operand(n: fx.Node):
+    """(tensor node, scalar) of a binary op with one literal number operand, else (None, None)."""
+    if len(n.args) != 2:
+        return None, None
+    a, b = n.args
+    if not isinstance(a, fx.Node):
+        a, b = b, a
+    if not isinstance(a, fx.Node) or isinstance(b, bool) or not isinstance(b, (int, float)):
+        return None, None
+    return a, b
+
+
+def _is_minus_one_scale(n: fx.Node) -> bool:
+    """mul(t, -1) keeping t's dtype: neg(t), exactly."""
+    a, b = _scalar_operand(n)
+    return a is not None and b == -1 and val(a) is not None and val(n) is not None and val(a).dtype == val(n).dtype
+
+
 def _is_unit_scale(n: fx.Node) -> bool:
     """mul(t, 1) / mul(1, t) / div(t, 1) with t keeping its dtype: the identity."""
     if n.op != "call_function" or n.target not in (aten.mul.Tensor, aten.div.Tensor) or len(n.args) != 2:
@@ -231,6 +296,9 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
             alias[n] = n.args[0] if isinstance(n.args[0], fx.Node) else n.args[1]
         if _is_reciprocal_sqrt(n):
             absorbed.add(n)
+        if n.op == "call_function" and n.target in SPLITS and n.users and all(
+                _piece_range(u) is not None for u in n.users):
+            absorbed.add(n)  # each getitem reads as the slice of its range (_canon)
         if _is_logistic_divisor(n):
             e = _logistic_exp(n)
             absorbed |= {e, e.args[0]}  # exp, neg: folded into the sigmoid the add reads as
@@ -297,11 +365,18 @@ def _canon(n: fx.Node):
     if n.op != "call_function":
         return f"{n.op}:{n.target}", (), _tensor_args(n), [n]
     t = n.target
+    piece = _piece_range(n)
+    if piece is not None and (t == aten.narrow.default or all(_piece_range(u) for u in n.args[0].users)):
+        x, dim, start, end, size = piece
+        lits = (EDGE, dim - val(x).dim(), _frac(start, size, 1), _frac(end, size, 1), 1)
+        return str(aten.slice.Tensor), lits, [("0", x)], ([n] if t == aten.narrow.default else [n.args[0], n])
     if t is operator.getitem:
         return "getitem", (n.args[1],), [("0", n.args[0])], [n]
     if t in CASTS:
         out = val(n)
         return "cast", (dtype_class(out.dtype) if out is not None else "?",), [("0", n.args[0])], [n]
+    if t == aten.mul.Tensor and _is_minus_one_scale(n):
+        return str(aten.neg.default), (EDGE,), [("0", n.args[0] if isinstance(n.args[0], fx.Node) else n.args[1])], [n]
     if (t == aten.mul.Tensor and n.args[0] is n.args[1]) or t == aten.square.default:
         return str(aten.pow.Tensor_Scalar), (EDGE, 2), [("0", n.args[0])], [n]
     if t == aten.pow.Tensor_Scalar and n.args[1] == -0.5:

@@ -6,9 +6,10 @@ one attention layer) into one ``fxfuse::rope`` call, which is one site. Spelling
     ``cat(x2, -x1)`` (the rotation by -angle), and the interleaved form (Cohere, GLM, Helium:
     ``stack(-x[..., 1::2], x[..., ::2]).flatten(-2)``);
   - the same rotation written out on halves: ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``,
-    cos / sin [..., D/2], the halves sliced or ``torch.chunk``-ed (gpt-oss), or the even / odd
-    channels (DeepSeek V3's ``apply_rotary_pos_emb_interleave``: interleaved pairs in, the halves
-    layout out; lowered as that channel permutation of x, one copy, then the halves rotation);
+    cos / sin [..., D/2], the halves sliced or ``torch.chunk``-ed (gpt-oss; canonically the same
+    slices), or the even / odd channels (DeepSeek V3's ``apply_rotary_pos_emb_interleave``:
+    interleaved pairs in, the halves layout out; lowered as that channel permutation of x, one
+    copy, then the halves rotation);
   - interleaved pairs: Meta / torchtitan ``view_as_complex(x.reshape(..., -1, 2)) * freqs_cis``, and
     gpt-fast's real form (``reshape(..., -1, 2)`` + ``stack``).
 Partial rotary (Phi, GPT-NeoX, StableLM, GLM) needs no spelling of its own: the rotated slice
@@ -52,16 +53,12 @@ def rope_interleaved(x, cos, sin):
 
 
 def rope_halves(x, cos_h, sin_h):
-    """The rotate-half rotation written out, cos / sin holding one value per pair [..., D/2]."""
+    """The rotate-half rotation written out, cos / sin holding one value per pair [..., D/2]. gpt-oss's
+    ``_apply_rotary_emb`` splits x by ``torch.chunk``: the canonical view reads chunk / split /
+    narrow pieces as these slices (fxfuse/canon.py), so it is this graph."""
     x1 = x[..., : x.shape[-1] // 2]
     x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat([x1 * cos_h - x2 * sin_h, x2 * cos_h + x1 * sin_h], dim=-1)
-
-
-def rope_halves_chunk(x, cos_h, sin_h):
-    """gpt-oss ``_apply_rotary_emb``: the same halves rotation, x split by ``torch.chunk``."""
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((x1 * cos_h - x2 * sin_h, x2 * cos_h + x1 * sin_h), dim=-1)
 
 
 def rope_halves_pairs_deepseek(x, cos_h, sin_h):
@@ -267,7 +264,6 @@ PATTERN = Pattern(
         Variant(rope_rotate_half_flipped, {"form": "half_flipped"}),
         Variant(rope_interleaved, {"form": "interleaved"}),
         Variant(rope_halves, {"form": "halves"}),
-        Variant(rope_halves_chunk, {"form": "halves"}),
         Variant(rope_halves_pairs_deepseek, {"form": "halves_pairs"}),
         Variant(rope_complex_meta, {"form": "complex"}, dtypes=({"x": _bf, "freqs_cis": _c64},
                                                                  {"x": _f32, "freqs_cis": _c64})),

@@ -1,12 +1,12 @@
 """Spelling coverage probe: every combination of how hand-written code writes each fused op, run
 through ``fxfuse.explain`` on CPU; prints the combinations that do not fuse and a count.
 
-    python tests/probe_spellings.py                      # all three ops (~10 min on 2 cores)
+    python tests/probe_spellings.py                      # all four ops (~20 min on a busy 2-core machine)
     python tests/probe_spellings.py swiglu linear_cross_entropy
 
 Not a test (pytest does not collect it): the product is too large for CI. The tests keep a
-representative slice of each axis (tests/test_rms_norm_graph.py SPELLINGS,
-tests/test_linear_cross_entropy_graph.py's 72 head combinations). Exit status 1 if any
+representative slice of each axis (tests/test_rms_norm_graph.py SPELLINGS, the rotate_half halves
+in tests/test_rope_graph.py, tests/test_linear_cross_entropy_graph.py's 72 head combinations). Exit status 1 if any
 combination misses, so a matcher change can be checked against the whole product.
 """
 from __future__ import annotations
@@ -53,6 +53,43 @@ def rms_norm_cases():
                 yield f"{str(dt)[6:]} upcast={upcast} " + " ".join(map(str, combo)), make(upcast, *combo), (x, w)
 
 
+def rope_cases():
+    """rotate_half's halves (slice, chunk, split, narrow) x negation spelling x sum order x product
+    order x [B, H, T, D] / [B, T, H, D] x upcast; q and k rotated by the same tables (one site)."""
+    def halves(x, how):
+        d = x.shape[-1] // 2
+        return {"slice": lambda: (x[..., :d], x[..., d:]), "chunk": lambda: x.chunk(2, dim=-1),
+                "split": lambda: x.split(d, dim=-1), "narrow": lambda: (x.narrow(-1, 0, d), x.narrow(-1, d, d))}[how]()
+
+    def make(split, neg, add_order, mul_order, layout, upcast):
+        def rot(x):
+            a, b = halves(x, split)
+            nb = {"minus": lambda: -b, "neg": lambda: b.neg(), "times_minus1": lambda: b * -1,
+                  "torch_neg": lambda: torch.neg(b)}[neg]()
+            return torch.cat((nb, a), dim=-1)
+
+        def apply(x, cos, sin):
+            h = x.float() if upcast else x
+            p1, p2 = (h * cos, rot(h) * sin) if mul_order == "x*c" else (cos * h, sin * rot(h))
+            out = p1 + p2 if add_order == "cos_first" else p2 + p1
+            return out.type_as(x) if upcast else out
+
+        def fn(q, k, cos, sin):
+            d = 1 if layout == "bhtd" else 2
+            c, s = cos.unsqueeze(d), sin.unsqueeze(d)
+            return (apply(q, c, s) * 2).sum() + (apply(k, c, s) * 3).sum()
+        return fn
+
+    axes = (("slice", "chunk", "split", "narrow"), ("minus", "neg", "times_minus1", "torch_neg"),
+            ("cos_first", "sin_first"), ("x*c", "c*x"), ("bhtd", "bthd"), (False, True))
+    for combo in itertools.product(*axes):
+        shape = (2, 4, 6, 16) if combo[4] == "bhtd" else (2, 6, 4, 16)
+        ang = torch.randn(2, 6, 8)
+        cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((ang.sin(), ang.sin()), -1)
+        q, k = (torch.randn(*shape, requires_grad=True) for _ in range(2))
+        yield " ".join(map(str, combo)), make(*combo), (q, k, cos, sin)
+
+
 def swiglu_cases():
     """Activation spelling x operand order x gate/up layout (separate, chunk, split, interleaved)."""
     acts = {"F.silu": F.silu, "nn.SiLU": lambda g: torch.nn.SiLU()(g), "x*sigmoid": lambda g: g * torch.sigmoid(g),
@@ -97,7 +134,8 @@ def linear_cross_entropy_cases():
             yield f"{str(dt)[6:]} cast={cast} " + " ".join(map(str, combo)), make(*combo, cast), (x, w, b, torch.randint(0, 40, (16,)))
 
 
-CASES = {"rms_norm": rms_norm_cases, "swiglu": swiglu_cases, "linear_cross_entropy": linear_cross_entropy_cases}
+CASES = {"rms_norm": rms_norm_cases, "rope": rope_cases, "swiglu": swiglu_cases,
+         "linear_cross_entropy": linear_cross_entropy_cases}
 
 
 def main() -> int:

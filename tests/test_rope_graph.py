@@ -25,7 +25,7 @@ def is_attention(m: nn.Module) -> bool:
     ("gpt_neox", {"rotary_pct": 0.5}, "rope_rotate_half"),  # partial rotary: the rotated slice binds as the input
     # q rotated and transposed before k is projected: the transpose follows the one fused call
     ("gemma4_text", {}, "rope_rotate_half"),
-    ("gpt_oss", {}, "rope_halves_chunk"),  # the halves from torch.chunk
+    ("gpt_oss", {}, "rope_halves"),  # the halves from torch.chunk: read as slices
     ("nanochat", {}, "rope_rotate_half_flipped"),  # rotate_half as cat(x2, -x1)
     ("deepseek_v3", MLA_TINY, "rope_halves_pairs_deepseek"),  # MLA: even / odd channels in, halves out
     ("deepseek_v2", MLA_TINY, "rope_complex_meta"),
@@ -229,3 +229,47 @@ def test_rotations_pair_only_when_their_tables_are_equal_values():
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
     random = _TablesPerRotation(lambda c: nn.functional.dropout(c, 0.5, training=True))
     assert fxfuse.explain(random, x, cos, sin).counts()["rope"] == 2
+
+
+def _halves(x, how):
+    d = x.shape[-1] // 2
+    if how == "chunk":
+        return x.chunk(2, dim=-1)
+    if how == "split":
+        return x.split(d, dim=-1)
+    if how == "split_sizes":
+        return torch.split(x, [d, d], dim=-1)
+    return x.narrow(-1, 0, d), x.narrow(-1, d, d)
+
+
+class _RotateHalf(nn.Module):
+    """Projections, then HF's rotate_half with the halves taken another way and -x2 spelled x2 * -1."""
+
+    def __init__(self, how, d=16, heads=2):
+        super().__init__()
+        self.how, self.heads = how, heads
+        self.q, self.k = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x, cos, sin):
+        b, t, d = x.shape
+
+        def rope(y):
+            y = y.view(b, t, self.heads, -1).transpose(1, 2)
+            x1, x2 = _halves(y, self.how)
+            return y * cos + torch.cat((x2 * -1, x1), dim=-1) * sin
+
+        return (rope(self.q(x)) * rope(self.k(x))).sum()
+
+
+@pytest.mark.parametrize("how", ["chunk", "split", "split_sizes", "narrow"])
+def test_rotate_half_halves_spelled_otherwise(how):
+    """chunk / split / split_with_sizes / narrow halves and x * -1 read as HF's slices and negation:
+    one fused site (q and k), loss and every gradient equal to eager's."""
+    torch.manual_seed(0)
+    t = 5
+    ang = torch.arange(t, dtype=torch.float32)[:, None] * torch.linspace(0.1, 1.0, 4)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    inputs = {"x": torch.randn(2, t, 16), "cos": cos, "sin": sin}
+    loss_err, grad_err, report, _ = compiled_parity(_RotateHalf(how), inputs, loss_fn=lambda out: out)
+    assert report.counts()["rope"] == 1 and [s.variant for s in report.matched] == ["rope_rotate_half"], str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
