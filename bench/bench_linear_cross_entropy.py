@@ -109,20 +109,20 @@ def _provider_fn(provider: str, args):
     if provider.startswith("fxfuse-compiled"):
         options = {"loss_head": "lean"} if provider.endswith("-lean") else {}
         compiled = torch.compile(linear_cross_entropy_eager, backend="fxfuse", options=options)
-        return (lambda x, w, b, t: compiled(x, w, b, t, *extra)), _fused_note(options, extra, args)
+        note = _fused_note(linear_cross_entropy_eager, options, extra, args)
+        return (lambda x, w, b, t: compiled(x, w, b, t, *extra)), note
     if provider in ("fxfuse", "fxfuse-fast"):
         algorithm = "fast" if provider == "fxfuse-fast" else "lean"
         return (lambda x, w, b, t: torch.ops.fxfuse.linear_cross_entropy(x, w, b, t, *extra, algorithm)), ""
     raise ValueError(provider)
 
 
-def _fused_note(options: dict, extra: tuple, args) -> str:
-    """What fxfuse.explain reports for the compiled definition on a small case of this call's options."""
+def _fused_note(fn, options: dict, extra: tuple, args) -> str:
+    """What fxfuse.explain reports for fn compiled with these options, on a small case."""
     import fxfuse
-    from fxfuse.kernels.linear_cross_entropy import linear_cross_entropy_eager
 
     x, w, b, t = _inputs(64, 32, 128, torch.float32, args)
-    report = fxfuse.explain(linear_cross_entropy_eager, x, w, b, t, *extra, fxfuse_options=options)
+    report = fxfuse.explain(fn, x, w, b, t, *extra, fxfuse_options=options)
     fused = report.counts().get("linear_cross_entropy", 0)
     return f"loss head fused {fused}x, {len(report.unmatched)} unmatched"
 

@@ -33,7 +33,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from .shapes import _frac, _neg, shape_literals
+from .shapes import _expr, _frac, _neg, shape_literals
 
 aten = torch.ops.aten
 
@@ -141,12 +141,17 @@ def _tensor_args(n: fx.Node) -> list[tuple[str, fx.Node]]:
     return out
 
 
-def _is_divisor_sqrt(n) -> bool:
-    """n is sqrt(b) used only as the divisor of a div: the pair reads as mul(a, rsqrt(b))."""
-    if not (isinstance(n, fx.Node) and n.target == aten.sqrt.default and len(n.users) == 1):
+def _only_divisor(n: fx.Node) -> bool:
+    """n's one user is a div with n as its divisor only."""
+    if len(n.users) != 1:
         return False
     user = next(iter(n.users))
     return user.target == aten.div.Tensor and user.args[1] is n and user.args[0] is not n
+
+
+def _is_divisor_sqrt(n) -> bool:
+    """n is sqrt(b) used only as the divisor of a div: the pair reads as mul(a, rsqrt(b))."""
+    return isinstance(n, fx.Node) and n.target == aten.sqrt.default and _only_divisor(n)
 
 
 def _is_reciprocal_sqrt(n) -> bool:
@@ -176,10 +181,7 @@ def logistic_denominator(n) -> fx.Node | None:
 
 def _is_logistic_divisor(n) -> bool:
     """n is ``1 + exp(-b)`` used only as the divisor of a div: the pair reads as mul(a, sigmoid(b))."""
-    if logistic_denominator(n) is None or len(n.users) != 1:
-        return False
-    user = next(iter(n.users))
-    return user.target == aten.div.Tensor and user.args[1] is n and user.args[0] is not n
+    return _logistic_exp(n) is not None and _only_divisor(n)
 
 
 SPLITS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default}
@@ -227,35 +229,28 @@ def _piece_range(n) -> tuple[fx.Node, int, int, int, int] | None:
     return x, dim, start, start + sizes[i], size
 
 
-def _scalar_operand(n: fx.Node):
-    """(tensor node, scalar) of a binary op with one literal number operand, else (None, None)."""
-    if len(n.args) != 2:
-        return None, None
-    a, b = n.args
-    if not isinstance(a, fx.Node):
-        a, b = b, a
-    if not isinstance(a, fx.Node) or isinstance(b, bool) or not isinstance(b, (int, float)):
-        return None, None
-    return a, b
-
-
-def _is_minus_one_scale(n: fx.Node) -> bool:
-    """mul(t, -1) keeping t's dtype: neg(t), exactly."""
-    a, b = _scalar_operand(n)
-    return a is not None and b == -1 and val(a) is not None and val(n) is not None and val(a).dtype == val(n).dtype
-
-
-def _is_unit_scale(n: fx.Node) -> bool:
-    """mul(t, 1) / mul(1, t) / div(t, 1) with t keeping its dtype: the identity."""
-    if n.op != "call_function" or n.target not in (aten.mul.Tensor, aten.div.Tensor) or len(n.args) != 2:
-        return False
+def _scaled(n: fx.Node, ops, k) -> fx.Node | None:
+    """t where n is one of ops applied to t and the literal number k (either order for mul), keeping
+    t's dtype; else None."""
+    if n.op != "call_function" or n.target not in ops or len(n.args) != 2:
+        return None
     a, b = n.args
     if n.target == aten.mul.Tensor and not isinstance(a, fx.Node):
         a, b = b, a
-    if not isinstance(a, fx.Node) or isinstance(b, bool) or not isinstance(b, (int, float)) or b != 1:
-        return False
+    if not isinstance(a, fx.Node) or isinstance(b, bool) or not isinstance(b, (int, float)) or b != k:
+        return None
     src, out = val(a), val(n)
-    return src is not None and out is not None and src.dtype == out.dtype
+    return a if src is not None and out is not None and src.dtype == out.dtype else None
+
+
+def _negated(n: fx.Node) -> fx.Node | None:
+    """t where n is mul(t, -1): neg(t), exactly."""
+    return _scaled(n, (aten.mul.Tensor,), -1)
+
+
+def _unscaled(n: fx.Node) -> fx.Node | None:
+    """t where n is mul(t, 1), mul(1, t) or div(t, 1): the identity."""
+    return _scaled(n, (aten.mul.Tensor, aten.div.Tensor), 1)
 
 
 def static_int(s) -> int | None:
@@ -292,8 +287,8 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
     for n in nodes:
         if n.op == "call_function" and n.target in CASTS and is_noop_cast(n):
             alias[n] = n.args[0]
-        if _is_unit_scale(n):
-            alias[n] = n.args[0] if isinstance(n.args[0], fx.Node) else n.args[1]
+        if _unscaled(n) is not None:
+            alias[n] = _unscaled(n)
         if _is_reciprocal_sqrt(n):
             absorbed.add(n)
         if n.op == "call_function" and n.target in SPLITS and n.users and all(
@@ -314,7 +309,7 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
     for n in nodes:
         if n in alias or n in absorbed or n.op == "output":
             continue
-        label, lits, edges, members = _canon(n)
+        label, lits, edges, members = _canon(n, absorbed)
         vnodes[n.name] = VNode(label, lits, tuple(members))
         g.add_node(n.name)
         for pos, src in edges:
@@ -329,8 +324,6 @@ ROW_MERGES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default
 
 def _merges_rows(n: fx.Node) -> bool:
     """n reshapes [..., V] to [N, V]: leading dims merged in order, the last dim kept."""
-    from .shapes import _expr
-
     src, out = val(n.args[0]), val(n)
     if src is None or out is None or out.dim() != 2 or src.dim() < 2:
         return False
@@ -358,15 +351,16 @@ def _logits_chain(n) -> list[fx.Node]:
     return chain
 
 
-def _canon(n: fx.Node):
-    """(label, literals, [(pos, input node)], FX members) of one FX node."""
+def _canon(n: fx.Node, absorbed: set[fx.Node]):
+    """(label, literals, [(pos, input node)], FX members) of one FX node; absorbed: the FX nodes
+    build_view folded into their users (a chunk / split whose pieces read as slices, say)."""
     if n.op in ("placeholder", "get_attr"):
         return n.op, (), [], [n]
     if n.op != "call_function":
         return f"{n.op}:{n.target}", (), _tensor_args(n), [n]
     t = n.target
     piece = _piece_range(n)
-    if piece is not None and (t == aten.narrow.default or all(_piece_range(u) for u in n.args[0].users)):
+    if piece is not None and (t == aten.narrow.default or n.args[0] in absorbed):
         x, dim, start, end, size = piece
         lits = (EDGE, dim - val(x).dim(), _frac(start, size, 1), _frac(end, size, 1), 1)
         return str(aten.slice.Tensor), lits, [("0", x)], ([n] if t == aten.narrow.default else [n.args[0], n])
@@ -375,8 +369,8 @@ def _canon(n: fx.Node):
     if t in CASTS:
         out = val(n)
         return "cast", (dtype_class(out.dtype) if out is not None else "?",), [("0", n.args[0])], [n]
-    if t == aten.mul.Tensor and _is_minus_one_scale(n):
-        return str(aten.neg.default), (EDGE,), [("0", n.args[0] if isinstance(n.args[0], fx.Node) else n.args[1])], [n]
+    if _negated(n) is not None:
+        return str(aten.neg.default), (EDGE,), [("0", _negated(n))], [n]
     if (t == aten.mul.Tensor and n.args[0] is n.args[1]) or t == aten.square.default:
         return str(aten.pow.Tensor_Scalar), (EDGE, 2), [("0", n.args[0])], [n]
     if t == aten.pow.Tensor_Scalar and n.args[1] == -0.5:

@@ -167,15 +167,14 @@ def _rms_norm_bwd_kernel(
         xf = x.to(tl.float32)
         dyf = dy.to(tl.float32)
         g = grad_out(dyf, w, HAS_WEIGHT, ROUND, RNE_BY_BITS)  # w [BLOCK_N] broadcast over the rows
+        sxx = tl.sum(xf * xf, axis=1)
         if INDEPENDENT_SUMS:
-            sxx = tl.sum(xf * xf, axis=1)
             sgx = tl.sum(g * xf, axis=1)
-            rstd = tl.math.rsqrt(sxx / D + eps)
-            xhat = xf * rstd[:, None]
+        rstd = tl.math.rsqrt(sxx / D + eps)
+        xhat = xf * rstd[:, None]
+        if INDEPENDENT_SUMS:
             c = sgx * rstd / D
         else:
-            rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
-            xhat = xf * rstd[:, None]
             c = tl.sum(g * xhat, axis=1) / D
         dx = rstd[:, None] * (g - xhat * c[:, None])
         dx = round_dtype(dx, dx_ptr.dtype.element_ty, RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
@@ -298,7 +297,8 @@ def _rms_norm_backward(
         _rms_norm_bwd_kernel[(grid,)](
             dy2, x2, w, dx, partial, m, d, x2.stride(0), eps, offset,
             HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, ROUND=round_, RNE_BY_BITS=rne_by_bits(x.device),
-            INDEPENDENT_SUMS=launch.bwd_independent_sums(block_n), BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=num_warps,
+            INDEPENDENT_SUMS=launch.bwd_independent_sums(block_n), BLOCK_M=block_m, BLOCK_N=block_n,
+            NUM_STAGES=num_stages, num_warps=num_warps,
         )
     if not compute_dw:
         return dx, x.new_empty((0,))

@@ -53,14 +53,29 @@ def rms_norm_cases():
                 yield f"{str(dt)[6:]} upcast={upcast} " + " ".join(map(str, combo)), make(upcast, *combo), (x, w)
 
 
+def halves(x, how):
+    """x's two halves along the last dim, taken the way ``how`` names (also tests/test_rope_graph.py)."""
+    d = x.shape[-1] // 2
+    return {"slice": lambda: (x[..., :d], x[..., d:]), "chunk": lambda: x.chunk(2, dim=-1),
+            "split": lambda: x.split(d, dim=-1), "split_sizes": lambda: torch.split(x, [d, d], dim=-1),
+            "narrow": lambda: (x.narrow(-1, 0, d), x.narrow(-1, d, d))}[how]()
+
+
+def head_fn(layout, transform, bias, cast):
+    """F.linear -> transform -> [.float()] -> layout -> cross_entropy, as hand-written code spells it
+    (also tests/test_linear_cross_entropy_graph.py)."""
+    def fn(x, w, b, t):
+        z = F.linear(x, w, b if bias else None)
+        z = {"none": z, "scale": z * 0.5, "divide": z / 2.0, "softcap": torch.tanh(z / 30.0) * 30.0}[transform]
+        z = z.float() if cast else z
+        z = z.view(-1, z.shape[-1]) if layout == "view" else z.flatten(0, 1) if layout == "flatten" else z
+        return F.cross_entropy(z, t.view(-1))
+    return fn
+
+
 def rope_cases():
     """rotate_half's halves (slice, chunk, split, narrow) x negation spelling x sum order x product
     order x [B, H, T, D] / [B, T, H, D] x upcast; q and k rotated by the same tables (one site)."""
-    def halves(x, how):
-        d = x.shape[-1] // 2
-        return {"slice": lambda: (x[..., :d], x[..., d:]), "chunk": lambda: x.chunk(2, dim=-1),
-                "split": lambda: x.split(d, dim=-1), "narrow": lambda: (x.narrow(-1, 0, d), x.narrow(-1, d, d))}[how]()
-
     def make(split, neg, add_order, mul_order, layout, upcast):
         def rot(x):
             a, b = halves(x, split)
@@ -118,20 +133,11 @@ def swiglu_cases():
 
 def linear_cross_entropy_cases():
     """Hidden-state layout x logit transform x bias x .float() (fp32: always, a no-op)."""
-    def make(layout, transform, bias, cast):
-        def fn(x, w, b, t):
-            z = F.linear(x, w, b if bias else None)
-            z = {"none": z, "scale": z * 0.5, "divide": z / 2.0, "softcap": torch.tanh(z / 30.0) * 30.0}[transform]
-            z = z.float() if cast else z
-            z = z.view(-1, z.shape[-1]) if layout == "view" else z.flatten(0, 1) if layout == "flatten" else z
-            return F.cross_entropy(z, t.view(-1))
-        return fn
-
     for dt, cast in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)):
         for combo in itertools.product(("2d", "view", "flatten"), ("none", "scale", "divide", "softcap"), (False, True)):
             x = torch.randn(*((16,) if combo[0] == "2d" else (2, 8)), 16, dtype=dt, requires_grad=True)
             w, b = torch.randn(40, 16, dtype=dt, requires_grad=True), torch.randn(40, dtype=dt, requires_grad=True)
-            yield f"{str(dt)[6:]} cast={cast} " + " ".join(map(str, combo)), make(*combo, cast), (x, w, b, torch.randint(0, 40, (16,)))
+            yield f"{str(dt)[6:]} cast={cast} " + " ".join(map(str, combo)), head_fn(*combo, cast), (x, w, b, torch.randint(0, 40, (16,)))
 
 
 CASES = {"rms_norm": rms_norm_cases, "rope": rope_cases, "swiglu": swiglu_cases,

@@ -9,6 +9,7 @@ import torch
 import fxfuse
 from helpers import batch, bf16_errors, compiled_parity, hf_model, loss_and_grads, rel_err
 from models import NanoGPT
+from probe_spellings import head_fn
 
 FP32_TOL = 1e-5
 
@@ -121,24 +122,6 @@ def test_hand_written_heads(spelling, variant, bias):
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
 
 
-def _head_fn(layout, transform, bias, cast):
-    """F.linear -> transform -> [.float()] -> layout -> cross_entropy, as hand-written code spells it."""
-    F = torch.nn.functional
-
-    def fn(x, w, b, t):
-        z = F.linear(x, w, b if bias else None)
-        if transform == "scale":
-            z = z * 0.5
-        elif transform == "divide":
-            z = z / 2.0
-        elif transform == "softcap":
-            z = torch.tanh(z / 30.0) * 30.0
-        z = z.float() if cast else z
-        z = z.view(-1, z.shape[-1]) if layout == "view" else z.flatten(0, 1) if layout == "flatten" else z
-        return F.cross_entropy(z, t.view(-1))
-    return fn
-
-
 # (dtype, cast): in fp32 .float() is no op, so only bf16 runs without it
 HEAD_OPTIONS = [pytest.param(dt, layout, transform, bias, cast,
                              id=f"{str(dt)[6:]}-{layout}-{transform}-{'bias' if bias else 'no_bias'}-{'float' if cast else 'no_cast'}")
@@ -156,7 +139,7 @@ def test_every_combination_of_head_options_fuses(dtype, layout, transform, bias,
     w = torch.randn(40, 16, generator=g).to(dtype).requires_grad_()
     b = torch.randn(40, generator=g).to(dtype).requires_grad_()
     t = torch.randint(0, 40, (16,), generator=g)
-    report = fxfuse.explain(_head_fn(layout, transform, bias, cast), x, w, b, t)
+    report = fxfuse.explain(head_fn(layout, transform, bias, cast), x, w, b, t)
     assert report.counts()["linear_cross_entropy"] == 1 and not report.unmatched, str(report)
 
 
@@ -164,7 +147,7 @@ def test_every_combination_of_head_options_fuses(dtype, layout, transform, bias,
 def test_bf16_uncast_head_within_twice_eager_error(layout, transform):
     """A bf16 head with no .float() (cross_entropy on bf16 logits) and a bias, fused: loss and
     gradients within 2x eager bf16's error against the fp32 computation on the same values."""
-    fn = _head_fn(layout, transform, True, False)
+    fn = head_fn(layout, transform, True, False)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*((48,) if layout == "2d" else (4, 12)), 32, generator=g)
     w, b = 0.2 * torch.randn(96, 32, generator=g), torch.randn(96, generator=g)

@@ -8,6 +8,7 @@ import fxfuse
 from fxfuse.zoo import MLA_TINY
 from helpers import batch, bf16_errors, compiled_parity, count_calls, hf_model, loss_and_grads, rel_err
 from models import GptFastBlock, GptFastLM, TitanBlock, TitanLM
+from probe_spellings import halves
 
 FP32_TOL = 1e-5
 
@@ -231,17 +232,6 @@ def test_rotations_pair_only_when_their_tables_are_equal_values():
     assert fxfuse.explain(random, x, cos, sin).counts()["rope"] == 2
 
 
-def _halves(x, how):
-    d = x.shape[-1] // 2
-    if how == "chunk":
-        return x.chunk(2, dim=-1)
-    if how == "split":
-        return x.split(d, dim=-1)
-    if how == "split_sizes":
-        return torch.split(x, [d, d], dim=-1)
-    return x.narrow(-1, 0, d), x.narrow(-1, d, d)
-
-
 class _RotateHalf(nn.Module):
     """Projections, then HF's rotate_half with the halves taken another way and -x2 spelled x2 * -1."""
 
@@ -255,7 +245,7 @@ class _RotateHalf(nn.Module):
 
         def rope(y):
             y = y.view(b, t, self.heads, -1).transpose(1, 2)
-            x1, x2 = _halves(y, self.how)
+            x1, x2 = halves(y, self.how)
             return y * cos + torch.cat((x2 * -1, x1), dim=-1) * sin
 
         return (rope(self.q(x)) * rope(self.k(x))).sum()
