@@ -287,8 +287,8 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
     for n in nodes:
         if n.op == "call_function" and n.target in CASTS and is_noop_cast(n):
             alias[n] = n.args[0]
-        if _unscaled(n) is not None:
-            alias[n] = _unscaled(n)
+        if (unscaled := _unscaled(n)) is not None:
+            alias[n] = unscaled
         if _is_reciprocal_sqrt(n):
             absorbed.add(n)
         if n.op == "call_function" and n.target in SPLITS and n.users and all(
@@ -369,8 +369,8 @@ def _canon(n: fx.Node, absorbed: set[fx.Node]):
     if t in CASTS:
         out = val(n)
         return "cast", (dtype_class(out.dtype) if out is not None else "?",), [("0", n.args[0])], [n]
-    if _negated(n) is not None:
-        return str(aten.neg.default), (EDGE,), [("0", _negated(n))], [n]
+    if (negated := _negated(n)) is not None:
+        return str(aten.neg.default), (EDGE,), [("0", negated)], [n]
     if (t == aten.mul.Tensor and n.args[0] is n.args[1]) or t == aten.square.default:
         return str(aten.pow.Tensor_Scalar), (EDGE, 2), [("0", n.args[0])], [n]
     if t == aten.pow.Tensor_Scalar and n.args[1] == -0.5:
