@@ -5,9 +5,14 @@ Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), s
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
 import itertools
 import logging
+from pathlib import Path
 
+import torch
 import torch.fx as fx
 
 from .attention import causal_attention, causal_outputs
@@ -135,8 +140,31 @@ def inner_compile(gm: fx.GraphModule, example_inputs, opts: Options, mode: str |
     tagged = any("recompute" in n.meta for n in gm.graph.nodes)
     # config_patches, not a config.patch around the call: compile_fx also applies them to the
     # backward graph's compile, which AOTAutograd may run later (at the first backward)
-    with functorch_config.patch(enable_autograd_cache=functorch_config.enable_autograd_cache and not tagged):
+    with functorch_config.patch(enable_autograd_cache=functorch_config.enable_autograd_cache and not tagged), \
+            _cache_salt():
         return compile_fx(gm, example_inputs, config_patches={**mode_opts, **opts.inductor_patches()})
+
+
+@functools.cache
+def source_hash() -> str:
+    """Hash of fxfuse's kernels and patterns: the fused ops' schemas and how they decompose."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for sub in ("kernels", "patterns"):
+        for f in sorted((root / sub).glob("*.py")):
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _cache_salt():
+    """AOTAutograd's cache keys a graph by its code, where a fused call reads the same across fxfuse
+    versions; its cached compiled code also holds the calls the op decomposed into, so after an
+    upgrade that changes an op's schema a stale entry would call it with the old arguments. The
+    kernels' hash joins the cache key tag for the compile (where torch has the tag)."""
+    config = getattr(torch.compiler, "config", None)
+    if config is None or not hasattr(config, "cache_key_tag"):
+        return contextlib.nullcontext()
+    return config.patch(cache_key_tag=f"{config.cache_key_tag}fxfuse:{source_hash()}")
 
 
 def compiled_reports() -> list[Report]:

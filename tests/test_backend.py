@@ -244,3 +244,30 @@ def test_site_module_is_the_model_module_not_a_global_one():
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), _Block())
     report = fxfuse.explain(model, torch.randn(3, 16))
     assert [(s.pattern, s.module) for s in report.matched] == [("rms_norm", "1")]
+
+
+def test_kernel_change_misses_the_compile_cache(monkeypatch, tmp_path):
+    """A compile cache keyed by the graph's code before the fused ops decompose (AOTAutograd's)
+    would hand a new fxfuse the compiled code of an old one (calls with an op's old schema): the
+    kernels' hash salts the key, so the same graph hits the caches until fxfuse's kernels or
+    patterns change, then misses."""
+    import fxfuse.backend as backend
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    norm = torch.nn.RMSNorm(16)
+
+    def compile_once():
+        torch._dynamo.reset()
+        counters.clear()
+        fn = torch.compile(lambda x: norm(x).sum(), backend="fxfuse")
+        fn(torch.randn(4, 16, requires_grad=True)).backward()
+        assert fxfuse.last_report().counts()["rms_norm"] == 1
+        hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
+        misses = counters["aot_autograd"]["autograd_cache_miss"] + counters["inductor"]["fxgraph_cache_miss"]
+        return hits > 0, misses > 0
+
+    assert compile_once() == (False, True)
+    assert compile_once() == (True, False)
+    monkeypatch.setattr(backend, "source_hash", lambda: "another-version")
+    assert compile_once()[1]  # the forward misses (the backward compiles later, its code decomposed)
