@@ -22,10 +22,12 @@ Rules (user spelling -> canonical label):
     dims (``view(-1, V)``, ``reshape``, ``flatten(0, 1)``), each with no other user, disappear
     (``_logits_chain``): one loss-head spelling matches 2-D and [B, T, V] logits, with or without
     ``.float()``, in either order. The loss head's check requires the [N, V] input it implies.
+    On the same way, ``z[..., :V]`` of an lm_head output z padded past the vocabulary reads as z
+    (``_vocab_slice``); the loss head lowers with the weight's first V rows.
+The recognisers live in canon_rules.py.
 """
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 
@@ -33,14 +35,13 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from .shapes import _expr, _frac, _neg, shape_literals
+from .canon_rules import (CASTS, SPLITS, _is_divisor_sqrt, _is_logistic_divisor, _is_reciprocal_sqrt,
+                          _logistic_exp, _logits_chain, _negated, _piece_range, _summed_numel, _unscaled, _vocab_slice,
+                          val)
+from .shapes import _frac, _neg, shape_literals
 
 aten = torch.ops.aten
 
-CASTS = {
-    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other,
-    aten._to_copy.default, aten.type_as.default,
-}
 COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
 
 
@@ -49,11 +50,6 @@ class VNode:
     label: str  # canonical op name, "*" for a pattern placeholder
     lits: tuple  # literal (non-tensor) arguments, canonicalised
     members: tuple  # FX nodes this view node stands for (the last one is its output)
-
-
-def val(n) -> torch.Tensor | None:
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def requires_grad(n) -> bool:
@@ -141,135 +137,6 @@ def _tensor_args(n: fx.Node) -> list[tuple[str, fx.Node]]:
     return out
 
 
-def _only_divisor(n: fx.Node) -> bool:
-    """n's one user is a div with n as its divisor only."""
-    if len(n.users) != 1:
-        return False
-    user = next(iter(n.users))
-    return user.target == aten.div.Tensor and user.args[1] is n and user.args[0] is not n
-
-
-def _is_divisor_sqrt(n) -> bool:
-    """n is sqrt(b) used only as the divisor of a div: the pair reads as mul(a, rsqrt(b))."""
-    return isinstance(n, fx.Node) and n.target == aten.sqrt.default and _only_divisor(n)
-
-
-def _is_reciprocal_sqrt(n) -> bool:
-    """n is sqrt(b) used only by a reciprocal: the pair reads as rsqrt(b)."""
-    return (isinstance(n, fx.Node) and n.target == aten.sqrt.default and len(n.users) == 1
-            and next(iter(n.users)).target == aten.reciprocal.default)
-
-
-def _logistic_exp(n) -> fx.Node | None:
-    """The exp node where n is ``1 + exp(-b)`` (either operand order), its exp and neg used only there."""
-    if not (isinstance(n, fx.Node) and n.target == aten.add.Tensor and len(n.args) == 2):
-        return None
-    e, one = n.args if isinstance(n.args[0], fx.Node) else n.args[::-1]
-    if one != 1 or isinstance(one, bool) or not isinstance(e, fx.Node) or e.target != aten.exp.default:
-        return None
-    neg = e.args[0]
-    if not (isinstance(neg, fx.Node) and neg.target == aten.neg.default and len(e.users) == 1 and len(neg.users) == 1):
-        return None
-    return e
-
-
-def logistic_denominator(n) -> fx.Node | None:
-    """b where n is ``1 + exp(-b)`` (see _logistic_exp), else None."""
-    e = _logistic_exp(n)
-    return e.args[0].args[0] if e is not None else None
-
-
-def _is_logistic_divisor(n) -> bool:
-    """n is ``1 + exp(-b)`` used only as the divisor of a div: the pair reads as mul(a, sigmoid(b))."""
-    return _logistic_exp(n) is not None and _only_divisor(n)
-
-
-SPLITS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default}
-
-
-def _piece_range(n) -> tuple[fx.Node, int, int, int, int] | None:
-    """(x, dim, start, end, size of dim) when n is a contiguous piece of x along one dim: a getitem
-    of a chunk / split / split_with_sizes whose users are all getitems, or a narrow; static sizes
-    only (a symbolic one would be guarded by the arithmetic)."""
-    if not isinstance(n, fx.Node) or n.op != "call_function":
-        return None
-    if n.target == aten.narrow.default:
-        x, dim, start, length = n.args
-        parent = None
-    elif n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0].target in SPLITS:
-        parent, i = n.args
-        if any(u.target is not operator.getitem for u in parent.users):
-            return None
-        x, arg = parent.args[0], parent.args[1]
-        dim = parent.args[2] if len(parent.args) > 2 else parent.kwargs.get("dim", 0)
-    else:
-        return None
-    v = val(x)
-    if v is None or not isinstance(dim, int) or v.dim() == 0:
-        return None
-    dim = dim % v.dim()
-    size = static_int(v.shape[dim])
-    if size is None:
-        return None
-    if parent is None:
-        if not (isinstance(start, int) and isinstance(length, int)):
-            return None
-        start = start % size if start < 0 else start
-        return x, dim, start, start + length, size
-    if parent.target == aten.split_with_sizes.default:
-        sizes = list(arg)
-    else:
-        if not isinstance(arg, int) or arg <= 0:
-            return None
-        step = -(-size // arg) if parent.target == aten.chunk.default else arg
-        sizes = [min(step, size - k) for k in range(0, size, step)]
-    if not all(isinstance(z, int) for z in sizes) or i >= len(sizes):
-        return None
-    start = sum(sizes[:i])
-    return x, dim, start, start + sizes[i], size
-
-
-def _scaled(n: fx.Node, ops, k) -> fx.Node | None:
-    """t where n is one of ops applied to t and the literal number k (either order for mul), keeping
-    t's dtype; else None."""
-    if n.op != "call_function" or n.target not in ops or len(n.args) != 2:
-        return None
-    a, b = n.args
-    if n.target == aten.mul.Tensor and not isinstance(a, fx.Node):
-        a, b = b, a
-    if not isinstance(a, fx.Node) or isinstance(b, bool) or not isinstance(b, (int, float)) or b != k:
-        return None
-    src, out = val(a), val(n)
-    return a if src is not None and out is not None and src.dtype == out.dtype else None
-
-
-def _negated(n: fx.Node) -> fx.Node | None:
-    """t where n is mul(t, -1): neg(t), exactly."""
-    return _scaled(n, (aten.mul.Tensor,), -1)
-
-
-def _unscaled(n: fx.Node) -> fx.Node | None:
-    """t where n is mul(t, 1), mul(1, t) or div(t, 1): the identity."""
-    return _scaled(n, (aten.mul.Tensor, aten.div.Tensor), 1)
-
-
-def static_int(s) -> int | None:
-    """s as a Python int if it is one, else None. Never guards on a symbolic size (int() would
-    specialise it and make Dynamo recompile for every sequence length)."""
-    return s if isinstance(s, int) else None
-
-
-def _summed_numel(sum_node: fx.Node) -> int | None:
-    x = val(sum_node.args[0])
-    if x is None:
-        return None
-    dims = sum_node.args[1] if len(sum_node.args) > 1 else None
-    if not dims:
-        return None
-    sizes = [static_int(x.shape[d]) for d in dims]
-    return None if None in sizes else math.prod(sizes)
-
-
 def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict[fx.Node, fx.Node]]:
     """networkx view of graph: nodes keyed by FX node name, edges carry the argument position.
     Also returns the elided no-op casts (cast -> its input)."""
@@ -300,6 +167,8 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
         if n.op == "call_function" and n.target == aten.cross_entropy_loss.default:
             for link in _logits_chain(n.args[0]):
                 alias[link] = link.args[0]
+            if (vocab := _vocab_slice(n.args[0])) is not None:
+                alias[vocab] = vocab.args[0]
         # sum feeding only div(sum, N) with N its element count is folded into the div (-> mean)
         if (n.op == "call_function" and n.target == aten.div.Tensor and isinstance(n.args[0], fx.Node)
                 and n.args[0].target == aten.sum.dim_IntList and len(n.args[0].users) == 1
@@ -319,38 +188,6 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
 
 
 COMMUTATIVE_LABELS = {str(op) for op in COMMUTATIVE}
-ROW_MERGES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints}
-
-
-def _merges_rows(n: fx.Node) -> bool:
-    """n reshapes [..., V] to [N, V]: leading dims merged in order, the last dim kept."""
-    src, out = val(n.args[0]), val(n)
-    if src is None or out is None or out.dim() != 2 or src.dim() < 2:
-        return False
-    if n.target == aten.flatten.using_ints:
-        start = n.args[1] if len(n.args) > 1 else 0
-        end = n.args[2] if len(n.args) > 2 else -1
-        return start in (0, -src.dim()) and end in (src.dim() - 2, -2)
-    return _expr(src.shape[-1]) == _expr(out.shape[-1])  # no guard on symbolic sizes
-
-
-def _to_f32_same_device(n: fx.Node) -> bool:
-    src, out = val(n.args[0]), val(n)
-    return src is not None and out is not None and out.dtype == torch.float32 and src.device == out.device
-
-
-def _logits_chain(n) -> list[fx.Node]:
-    """The casts to fp32 and [N, V] row merges directly before a cross_entropy input, each with one
-    user (the next link), nearest the loss first."""
-    chain = []
-    while isinstance(n, fx.Node) and n.op == "call_function" and len(n.users) == 1 and (
-            (n.target in CASTS and _to_f32_same_device(n))
-            or (n.target in ROW_MERGES and _merges_rows(n))):
-        chain.append(n)
-        n = n.args[0]
-    return chain
-
-
 def _canon(n: fx.Node, absorbed: set[fx.Node]):
     """(label, literals, [(pos, input node)], FX members) of one FX node; absorbed: the FX nodes
     build_view folded into their users (a chunk / split whose pieces read as slices, say)."""

@@ -29,7 +29,7 @@ RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def _rank(n, where: str) -> int | None:
-    from .canon import val
+    from .canon_rules import val
 
     src = n if where == "out" else (n.args[0][0] if where == "list" else n.args[0])
     v = val(src)
@@ -103,7 +103,7 @@ def _less(a, b) -> bool:
 
 def shape_literals(n, lits: list) -> list:
     """lits (n's canonical literal arguments) with size-dependent entries made size-relative."""
-    from .canon import val
+    from .canon_rules import val
 
     t = n.target
     if t in DIM_ARGS:

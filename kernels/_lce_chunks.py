@@ -85,6 +85,25 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.mm(a.float(), b.float(), out=out)
 
 
+def _raw_logits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, v0: int, buf: torch.Tensor,
+                low: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([R, C] raw logits x [R, H] @ w [C, H].T in the fp32 scratch buffer buf, the [V] bias still to
+    add to them). fp32 sums, or, where eager's roundings are reproduced (low: x's bf16 / fp16), eager's
+    own low-precision F.linear (bias included) into the front of buf's bytes, so each logit rounds as
+    eager's does (an fp32 matmul rounded afterwards sums in another order: near a softcap's saturation
+    one unit of difference shows in dx)."""
+    if low in (torch.bfloat16, torch.float16):
+        z = _view(buf.view(low), x.shape[0], w.shape[0])
+        if bias is None:
+            torch.mm(x, w.T, out=z)
+        else:
+            torch.addmm(bias[v0:v0 + w.shape[0]].to(low), x, w.T, out=z)
+        return z, None
+    z = _view(buf, x.shape[0], w.shape[0])
+    _mm_f32(x, w.T, z)
+    return z, bias
+
+
 def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc [M, P] fp32 += a [M, K] @ b [K, P]."""
     if a.dtype == torch.float32:

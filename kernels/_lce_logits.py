@@ -18,30 +18,36 @@ def _tanh(u):
 
 @triton.jit
 def _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-            ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr):
+            ROUND: tl.constexpr, ROUND_OPS: tl.constexpr, RNE_BY_BITS: tl.constexpr):
     """(z, t): fp32 logits of one tile from the raw matmul tile zr (fp32), and tanh(z / c) (the
-    softcap's tanh, for its backward; z itself without a softcap). With ROUND each op's result is
-    rounded where eager stores it: the lm_head's output, the scale, z / c, tanh, * c."""
+    softcap's tanh, for its backward; z itself without a softcap). Where eager stores a low-precision
+    tensor the result is rounded (_round.py codes): ROUND the lm_head's output, ROUND_OPS each later
+    op's (the scale, z / c, tanh, * c): ROUND when the graph casts to fp32 after them, 0 before."""
     if HAS_BIAS:
         zr += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    z = round_to(round_to(zr, ROUND, RNE_BY_BITS) * scale, ROUND, RNE_BY_BITS)
+    z = round_to(round_to(zr, ROUND, RNE_BY_BITS) * scale, ROUND_OPS, RNE_BY_BITS)
     t = z
     if SOFTCAP:
-        t = round_to(_tanh(round_to(z / softcap, ROUND, RNE_BY_BITS)), ROUND, RNE_BY_BITS)
-        z = round_to(t * softcap, ROUND, RNE_BY_BITS)
+        t = round_to(_tanh(round_to(z / softcap, ROUND_OPS, RNE_BY_BITS)), ROUND_OPS, RNE_BY_BITS)
+        z = round_to(t * softcap, ROUND_OPS, RNE_BY_BITS)
     return z, t
 
 
 @triton.jit
-def _dlogits(dz, t, scale, softcap, SOFTCAP: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr):
+def _dlogits(dz, t, scale, softcap, SOFTCAP: tl.constexpr, ROUND: tl.constexpr, ROUND_OPS: tl.constexpr,
+             RNE_BY_BITS: tl.constexpr):
     """Grad of the raw matmul tile from dz, the fp32 grad of the fp32 logits: the chain rule of
-    _logits in eager's order (the .float() cast's grad rounded first, then * c, tanh', / c, * s)."""
-    dz = round_to(dz, ROUND, RNE_BY_BITS)
+    _logits in eager's order: the .float() cast's grad rounded first, then * c, tanh', / c, * s
+    (ROUND_OPS != 0); or the fp32 chain, rounded where it reaches the lm_head (ROUND_OPS == 0)."""
+    dz = round_to(dz, ROUND_OPS, RNE_BY_BITS)
     if SOFTCAP:
-        dz = round_to(dz * softcap, ROUND, RNE_BY_BITS)
-        dz = round_to(dz * (1.0 - t * t), ROUND, RNE_BY_BITS)
-        dz = round_to(dz / softcap, ROUND, RNE_BY_BITS)
-    return dz * scale
+        dz = round_to(dz * softcap, ROUND_OPS, RNE_BY_BITS)
+        dz = round_to(dz * (1.0 - t * t), ROUND_OPS, RNE_BY_BITS)
+        dz = round_to(dz / softcap, ROUND_OPS, RNE_BY_BITS)
+    dz = dz * scale
+    if ROUND_OPS == 0:
+        dz = round_to(dz, ROUND, RNE_BY_BITS)
+    return dz
 
 
 def _reduce_like_eager(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
@@ -55,22 +61,25 @@ def _reduce_like_eager(rows: torch.Tensor, target: torch.Tensor, ignore_index: i
                                         ignore_index=ignore_index, reduction=reduction)
 
 
-def _logits_reference(z, bias, v0, softcap, scale, low=None):
-    """PyTorch twin of _logits: (z, t), rounded to low after each op when low is not None."""
+def _logits_reference(z, bias, v0, softcap, scale, low=None, round_ops=True):
+    """PyTorch twin of _logits: (z, t), the lm_head's output rounded to low when low is not None,
+    and each later op's result too with round_ops."""
     rnd = lambda y: round_ref(y, low, low is not None)  # noqa: E731
+    rnd_op = rnd if round_ops else (lambda y: y)
     if bias is not None:
         z = z + bias[v0:v0 + z.shape[1]].float()
-    z = rnd(rnd(z) * scale)
+    z = rnd_op(rnd(z) * scale)
     if softcap <= 0:
         return z, z
-    t = rnd(torch.tanh(rnd(z / softcap)))
-    return rnd(t * softcap), t
+    t = rnd_op(torch.tanh(rnd_op(z / softcap)))
+    return rnd_op(t * softcap), t
 
 
-def _dlogits_reference(dz, t, scale, softcap, low=None):
+def _dlogits_reference(dz, t, scale, softcap, low=None, round_ops=True):
     """PyTorch twin of _dlogits."""
     rnd = lambda y: round_ref(y, low, low is not None)  # noqa: E731
-    dz = rnd(dz)
+    rnd_op = rnd if round_ops else (lambda y: y)
+    dz = rnd_op(dz)
     if softcap > 0:
-        dz = rnd(rnd(rnd(dz * softcap) * (1.0 - t * t)) / softcap)
-    return dz * scale
+        dz = rnd_op(rnd_op(rnd_op(dz * softcap) * (1.0 - t * t)) / softcap)
+    return dz * scale if round_ops else rnd(dz * scale)

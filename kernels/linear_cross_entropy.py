@@ -2,7 +2,7 @@
 
     torch.ops.fxfuse.linear_cross_entropy(x, weight, bias, target, ignore_index=-100,
         reduction="mean", label_smoothing=0.0, softcap=0.0, logit_scale=1.0, algorithm="lean",
-        eager_rounding=False) -> fp32 0-dim tensor
+        eager_rounding=False, fp32_transform=False) -> fp32 0-dim tensor
 
 x [N, H], weight [V, H] (fp32/bf16/fp16, same dtype), bias [V] or None, target [N] int64.
 
@@ -31,7 +31,7 @@ runs the lean forward (one matmul).
 
 Lean design: chunk rows into passes of R tokens and the vocabulary into chunks of C columns. Forward
 computes each [R, C] logits chunk with one cuBLAS matmul (fp32 output, so no bf16 rounding of
-logits) and a Triton kernel folds it into a running (max, sum-exp, target logit, logit sum) per
+logits; in x's dtype under eager_rounding, so each logit rounds as eager's) and a Triton kernel folds it into a running (max, sum-exp, target logit, logit sum) per
 row: 1 matmul of x @ W.T in total. Backward recomputes each chunk (matmul 2) and a Triton kernel
 writes dzr in the input dtype into a group buffer of G >= C columns; per group, dx_pass +=
 dzr @ W_group (matmul 3, into an fp32 [R, H] accumulator; a wide G keeps its read-modify-writes
@@ -45,8 +45,10 @@ floor); the four matmuls alone take 49 ms at ~700 TFLOP/s (eager: 50 ms, +12 GiB
 39 ms, +3070 MiB). Precision: logits, softmax and every matmul accumulate in fp32; dzr is
 rounded to the input dtype once (as eager rounds its logits' grad). eager_rounding=True (backend
 option numerics="eager") rounds like the unfused graph in the input dtype: the lm_head output, the
-scale, z / c, tanh and * c each, and their gradients in reverse order (_lce_logits.py); loss and
-gradients then equal eager's low-precision ones (tests: < 2e-4, one pass). With more than one pass
+scale, z / c, tanh and * c each, and their gradients in reverse order (_lce_logits.py); with
+fp32_transform (the graph casts to fp32 before its scale / softcap, as nanochat does) only the
+lm_head output and the gradient reaching it. Loss and gradients then equal eager's low-precision
+ones (tests: < 2e-4, one pass). With more than one pass
 (N > R = 4096 tokens at H = 4096) dW is rounded to bf16/fp16 once per pass: at 8 passes the
 fp16 test measures ~1.9x eager's dW error (the bound is 2x), so very long batches lose some.
 """
@@ -58,7 +60,7 @@ import triton.language as tl
 
 from . import linear_cross_entropy_fast  # noqa: F401  registers the fast op (algorithm="fast" calls it)
 from ._dispatch import use_triton
-from ._lce_chunks import (_addmm_f32_, _block, _cols_per_chunk, _cols_per_group, _mm_f32, _num_warps,
+from ._lce_chunks import (_addmm_f32_, _block, _cols_per_chunk, _cols_per_group, _num_warps, _raw_logits,
                           _rows_per_pass, _rows_per_program, _view)
 from ._lce_logits import _dlogits, _dlogits_reference, _logits, _logits_reference, _reduce_like_eager
 from ._round import rne_by_bits, round_code
@@ -66,12 +68,13 @@ from ._round import rne_by_bits, round_code
 
 @triton.jit
 def _lce_fwd_chunk_kernel(
-    z_ptr,  # [R, C] fp32 raw logits x[n0:n0+R] @ W[v0:v0+C].T, row stride stride_z, unit col stride
+    z_ptr,  # [R, C] raw logits x[n0:n0+R] @ W[v0:v0+C].T (fp32, or x's dtype), row stride stride_z
     bias_ptr,  # [V] bias (any float dtype), offset to v0 by the host; unused unless HAS_BIAS
     target_ptr,  # [N] int64 targets
     state_ptr,  # [4, N] fp32, contiguous: running max, running sum-exp, target logit, logit sum
     n0, v0, R, C, N, stride_z, scale, softcap,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ROUND: tl.constexpr, ROUND_OPS: tl.constexpr,
+    RNE_BY_BITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BLOCK_N, 1] rows of the chunk
@@ -86,8 +89,8 @@ def _lce_fwd_chunk_kernel(
     for c0 in range(0, C, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
         mask = r_ok & (cols < C)
-        zr = tl.load(z_row + cols, mask=mask, other=0.0)
-        z, _ = _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS, SOFTCAP, ROUND, RNE_BY_BITS)
+        zr = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+        z, _ = _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
         z = tl.where(mask, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1, keep_dims=True))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=1, keep_dims=True)
@@ -102,14 +105,15 @@ def _lce_fwd_chunk_kernel(
 
 @triton.jit
 def _lce_bwd_chunk_kernel(
-    z_ptr,  # [R, C] fp32 raw logits chunk (as in the forward), row stride stride_z
+    z_ptr,  # [R, C] raw logits chunk (as in the forward), row stride stride_z
     g_ptr,  # [R, C] out: grad of the raw logits in the input dtype, row stride stride_g (may be z)
     bias_ptr,  # [V] bias offset to v0 by the host; unused unless HAS_BIAS
     target_ptr,  # [N] int64 targets
     lse_ptr,  # [N] fp32 logsumexp of each row's logits
     drow_ptr,  # [N] fp32 grad of each row's loss (may be inf on ignored rows: masked here)
     n0, v0, R, C, stride_z, stride_g, ignore_index, scale, softcap, on_target, off_target,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ROUND: tl.constexpr, ROUND_OPS: tl.constexpr,
+    RNE_BY_BITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BLOCK_N, 1] rows of the chunk
@@ -124,35 +128,36 @@ def _lce_bwd_chunk_kernel(
     for c0 in range(0, C, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
         mask = r_ok & (cols < C)
-        zr = tl.load(z_row + cols, mask=mask, other=0.0)
-        z, th = _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS, SOFTCAP, ROUND, RNE_BY_BITS)
+        zr = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+        z, th = _logits(zr, bias_ptr, cols, mask, scale, softcap, HAS_BIAS, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
         dz = (tl.exp(z - lse) - off_target - tl.where(cols == t, on_target, 0.0)) * w
-        dz = _dlogits(dz, th, scale, softcap, SOFTCAP, ROUND, RNE_BY_BITS)
+        dz = _dlogits(dz, th, scale, softcap, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
         tl.store(g_row + cols, dz.to(g_ptr.dtype.element_ty), mask=mask)
 
 
-def _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, scale, low, on_triton):
-    """low: the dtype whose roundings eager's logit ops make (None: none)."""
+def _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, scale, low, round_ops, on_triton):
+    """low: the dtype whose roundings eager's logit ops make (None: none); round_ops: also those of
+    the scale and softcap (they run in low precision, before the .float())."""
     rows, cols = z.shape
     if not on_triton:
-        return _fwd_chunk_reference(z, bias, target, state, n0, v0, softcap, scale, low)
+        return _fwd_chunk_reference(z, bias, target, state, n0, v0, softcap, scale, low, round_ops)
     b = bias[v0:] if bias is not None else z
     block = _block(cols)
     block_n = _rows_per_program(rows, block, z.device)
     _lce_fwd_chunk_kernel[(triton.cdiv(rows, block_n),)](
         z, b, target, state, n0, v0, rows, cols, target.shape[0], z.stride(0), scale, softcap,
         HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, ROUND=round_code(low, low is not None),
-        RNE_BY_BITS=rne_by_bits(z.device), BLOCK_N=block_n, BLOCK=block, num_warps=_num_warps(block),
+        ROUND_OPS=round_code(low, low is not None and round_ops), RNE_BY_BITS=rne_by_bits(z.device), BLOCK_N=block_n, BLOCK=block, num_warps=_num_warps(block),
     )
 
 
 def _bwd_chunk(z, g, bias, target, lse, drow, n0, v0, ignore_index, smoothing, vocab, softcap, scale,
-               low, on_triton):
+               low, round_ops, on_triton):
     rows, cols = z.shape
     on_target, off_target = 1.0 - smoothing, smoothing / vocab
     if not on_triton:
         g.copy_(_bwd_chunk_reference(z, bias, target, lse, drow, n0, v0, ignore_index, on_target,
-                                     off_target, softcap, scale, low))
+                                     off_target, softcap, scale, low, round_ops))
         return
     b = bias[v0:] if bias is not None else z
     block = _block(cols)
@@ -161,7 +166,7 @@ def _bwd_chunk(z, g, bias, target, lse, drow, n0, v0, ignore_index, smoothing, v
         z, g, b, target, lse, drow, n0, v0, rows, cols, z.stride(0), g.stride(0), ignore_index, scale,
         softcap, on_target, off_target,
         HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, ROUND=round_code(low, low is not None),
-        RNE_BY_BITS=rne_by_bits(z.device), BLOCK_N=block_n, BLOCK=block, num_warps=_num_warps(block),
+        ROUND_OPS=round_code(low, low is not None and round_ops), RNE_BY_BITS=rne_by_bits(z.device), BLOCK_N=block_n, BLOCK=block, num_warps=_num_warps(block),
     )
 
 
@@ -169,6 +174,7 @@ def _bwd_chunk(z, g, bias, target, lse, drow, n0, v0, ignore_index, smoothing, v
 def linear_cross_entropy_fwd(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
     ignore_index: int, label_smoothing: float, softcap: float, logit_scale: float, eager_rounding: bool,
+    fp32_transform: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row losses [N] fp32 (0 on ignored rows) and logsumexp [N] fp32 (saved for backward)."""
     x, weight, target = x.contiguous(), weight.contiguous(), target.contiguous()
@@ -185,9 +191,9 @@ def linear_cross_entropy_fwd(
         xs = x[n0:n0 + rows]
         for v0 in range(0, vocab, cols):
             wc = weight[v0:v0 + cols]
-            z = _view(zbuf, xs.shape[0], wc.shape[0])
-            _mm_f32(xs, wc.T, z)
-            _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, logit_scale, low, on_triton)
+            z, b = _raw_logits(xs, wc, bias, v0, zbuf, low)
+            _fwd_chunk(z, b, target, state, n0, v0, ignore_index, softcap, logit_scale, low,
+                       not fp32_transform, on_triton)
     lse = state[0] + state[1].log()
     eps = label_smoothing
     loss = (1.0 - eps) * (lse - state[2]) + eps * (lse - state[3] / vocab)
@@ -196,7 +202,8 @@ def linear_cross_entropy_fwd(
 
 
 @linear_cross_entropy_fwd.register_fake
-def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_scale, eager_rounding):
+def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_scale, eager_rounding,
+      fp32_transform):
     n = x.shape[0]
     return x.new_empty(n, dtype=torch.float32), x.new_empty(n, dtype=torch.float32)
 
@@ -205,7 +212,8 @@ def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_sca
 def linear_cross_entropy_bwd(
     drow: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     target: torch.Tensor, lse: torch.Tensor, ignore_index: int, label_smoothing: float,
-    softcap: float, logit_scale: float, eager_rounding: bool, need_dx: bool, need_dw: bool, need_db: bool,
+    softcap: float, logit_scale: float, eager_rounding: bool, fp32_transform: bool, need_dx: bool,
+    need_dw: bool, need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias); each one not needed is an empty tensor."""
     x, weight, target = x.contiguous(), weight.contiguous(), target.contiguous()
@@ -231,10 +239,10 @@ def linear_cross_entropy_bwd(
             g = _view(gbuf, xs.shape[0], wg.shape[0])
             for v0 in range(g0, g0 + wg.shape[0], cols):
                 wc = weight[v0:min(v0 + cols, g0 + wg.shape[0])]
-                z = _view(zbuf, xs.shape[0], wc.shape[0])
-                _mm_f32(xs, wc.T, z)
-                _bwd_chunk(z, g[:, v0 - g0:v0 - g0 + wc.shape[0]], bias, target, lse, drow, n0, v0,
-                           ignore_index, label_smoothing, vocab, softcap, logit_scale, low, on_triton)
+                z, b = _raw_logits(xs, wc, bias, v0, zbuf, low)
+                _bwd_chunk(z, g[:, v0 - g0:v0 - g0 + wc.shape[0]], b, target, lse, drow, n0, v0,
+                           ignore_index, label_smoothing, vocab, softcap, logit_scale, low,
+                           not fp32_transform, on_triton)
             if need_dx:
                 _addmm_f32_(acc, g, wg)
             if need_dw and n0 == 0:
@@ -250,7 +258,7 @@ def linear_cross_entropy_bwd(
 
 @linear_cross_entropy_bwd.register_fake
 def _(drow, x, weight, bias, target, lse, ignore_index, label_smoothing, softcap, logit_scale,
-      eager_rounding, need_dx, need_dw, need_db):
+      eager_rounding, fp32_transform, need_dx, need_dw, need_db):
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     dw = torch.empty_like(weight) if need_dw else weight.new_empty(0)
     db = torch.empty_like(bias) if need_db else x.new_empty(0)
@@ -260,7 +268,7 @@ def _(drow, x, weight, bias, target, lse, ignore_index, label_smoothing, softcap
 def _setup_context(ctx, inputs, output):
     x, weight, bias, target, *args = inputs
     ctx.save_for_backward(x, weight, bias, target, output[1])
-    ctx.args = tuple(args)  # ignore_index, label_smoothing, softcap, logit_scale, eager_rounding
+    ctx.args = tuple(args)  # ignore_index, label_smoothing, softcap, logit_scale, eager_rounding, fp32_transform
     ctx.mark_non_differentiable(output[1])
 
 
@@ -269,10 +277,10 @@ def _backward(ctx, drow, dlse):
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     need_db = need_db and bias is not None
     if drow is None or not (need_dx or need_dw or need_db):
-        return (None,) * 9
+        return (None,) * 10
     dx, dw, db = torch.ops.fxfuse.linear_cross_entropy_bwd(
         drow, x, weight, bias, target, lse, *ctx.args, need_dx, need_dw, need_db)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 6
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 7
 
 
 linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -281,17 +289,19 @@ torch.library.define(
     "fxfuse::linear_cross_entropy",
     "(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index=-100, "
     "str reduction=\"mean\", float label_smoothing=0.0, float softcap=0.0, float logit_scale=1.0, "
-    "str algorithm=\"lean\", bool eager_rounding=False) -> Tensor",
+    "str algorithm=\"lean\", bool eager_rounding=False, bool fp32_transform=False) -> Tensor",
 )
 
 
 @torch.library.impl("fxfuse::linear_cross_entropy", "CompositeImplicitAutograd")
 def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, softcap=0.0, logit_scale=1.0, algorithm="lean",
-                         eager_rounding=False):
+                         eager_rounding=False, fp32_transform=False):
     """0-dim fp32 loss: the fast op if asked for and a gradient is needed, else the lean fwd op.
     eager_rounding: the logit ops (lm_head output, scale, softcap) and their gradients are rounded to
-    x's dtype where eager rounds them, as the unfused graph computes them in that dtype."""
+    x's dtype where eager rounds them, as the unfused graph computes them in that dtype;
+    fp32_transform: the graph casts the lm_head's output to fp32 before its scale / softcap, so only
+    that output and the gradient reaching it are rounded."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
     if algorithm not in ("fast", "lean"):
@@ -300,17 +310,21 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     if algorithm == "fast" and torch.is_grad_enabled() and any(need):
         loss, _, _, _ = torch.ops.fxfuse.linear_cross_entropy_fast(
             x, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, logit_scale,
-            eager_rounding, *need)
+            eager_rounding, fp32_transform, *need)
         return loss
     rows, _ = torch.ops.fxfuse.linear_cross_entropy_fwd(
-        x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_scale, eager_rounding)
+        x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_scale, eager_rounding,
+        fp32_transform)
     return _reduce_like_eager(rows, target, ignore_index, reduction)
 
 
 def linear_cross_entropy_eager(x, weight, bias, target, ignore_index=-100, reduction="mean",
-                               label_smoothing=0.0, softcap=0.0, logit_scale=1.0):
-    """The unfused definition (materialises [N, V]): what the matcher replaces."""
+                               label_smoothing=0.0, softcap=0.0, logit_scale=1.0, fp32_transform=False):
+    """The unfused definition (materialises [N, V]): what the matcher replaces. fp32_transform: the
+    .float() comes before the scale / softcap instead of after."""
     z = torch.nn.functional.linear(x, weight, bias)
+    if fp32_transform:
+        z = z.float()
     if logit_scale != 1.0:  # as models write it: no scale at all when there is none
         z = z * logit_scale
     if softcap > 0:
@@ -319,10 +333,10 @@ def linear_cross_entropy_eager(x, weight, bias, target, ignore_index=-100, reduc
                                              reduction=reduction, label_smoothing=label_smoothing)
 
 
-def _fwd_chunk_reference(z, bias, target, state, n0, v0, softcap, scale, low):
+def _fwd_chunk_reference(z, bias, target, state, n0, v0, softcap, scale, low, round_ops):
     """PyTorch twin of _lce_fwd_chunk_kernel: folds one chunk into state[:, n0:n0+R]."""
     rows, cols = z.shape
-    z, _ = _logits_reference(z, bias, v0, softcap, scale, low)
+    z, _ = _logits_reference(z.float(), bias, v0, softcap, scale, low, round_ops)
     st = state[:, n0:n0 + rows]
     m_new = torch.maximum(st[0], z.amax(1))
     st[1] = st[1] * (st[0] - m_new).exp() + (z - m_new[:, None]).exp().sum(1)
@@ -334,13 +348,13 @@ def _fwd_chunk_reference(z, bias, target, state, n0, v0, softcap, scale, low):
 
 
 def _bwd_chunk_reference(z, bias, target, lse, drow, n0, v0, ignore_index, on_target, off_target,
-                         softcap, scale, low):
+                         softcap, scale, low, round_ops):
     """PyTorch twin of _lce_bwd_chunk_kernel: fp32 grad of one raw logits chunk."""
     rows, cols = z.shape
-    z, th = _logits_reference(z, bias, v0, softcap, scale, low)
+    z, th = _logits_reference(z.float(), bias, v0, softcap, scale, low, round_ops)
     t = target[n0:n0 + rows]
     w = torch.where(t == ignore_index, 0.0, drow[n0:n0 + rows])
     onehot = torch.arange(v0, v0 + cols, device=z.device)[None, :] == t[:, None]
     dz = (z - lse[n0:n0 + rows, None]).exp() - off_target - onehot * on_target
-    return _dlogits_reference(dz * w[:, None], th, scale, softcap, low)
+    return _dlogits_reference(dz * w[:, None], th, scale, softcap, low, round_ops)
 

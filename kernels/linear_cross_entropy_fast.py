@@ -1,7 +1,8 @@
 """The "fast" (3-matmul) algorithm of fxfuse::linear_cross_entropy: gradients made in the forward.
 
     torch.ops.fxfuse.linear_cross_entropy_fast(x, weight, bias, target, ignore_index, reduction,
-        label_smoothing, softcap, logit_scale, need_dx, need_dw, need_db) -> (loss, dx, dweight, dbias)
+        label_smoothing, softcap, logit_scale, eager_rounding, fp32_transform, need_dx, need_dw,
+        need_db) -> (loss, dx, dweight, dbias)
 
 loss is the op's 0-dim fp32 loss; dx, dweight, dbias are its gradients for an upstream gradient
 of 1 (an empty tensor each where not needed). fxfuse::linear_cross_entropy picks this op when a
@@ -56,7 +57,8 @@ def _lce_fast_rows_kernel(
     loss_ptr,  # [N] fp32 out: row losses (0 on ignored rows)
     w_ptr,  # [1] fp32 per-row weight of the reduction: 1 ("sum") or 1 / count ("mean")
     n0, R, V, stride_z, ignore_index, scale, softcap, on_target, off_target, smoothing,
-    SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr,
+    SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, ROUND: tl.constexpr, ROUND_OPS: tl.constexpr,
+    RNE_BY_BITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BLOCK_N, 1] rows of the pass
@@ -73,7 +75,7 @@ def _lce_fast_rows_kernel(
         cols = v0 + tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
         mask = r_ok & (cols < V)
         zr = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-        z, _ = _logits(zr, z_row, cols, mask, scale, softcap, False, SOFTCAP, ROUND, RNE_BY_BITS)
+        z, _ = _logits(zr, z_row, cols, mask, scale, softcap, False, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
         if SMOOTHING:
             zsum += tl.sum(tl.where(mask, z, 0.0), axis=1, keep_dims=True)
         z = tl.where(mask, z, float("-inf"))
@@ -84,7 +86,7 @@ def _lce_fast_rows_kernel(
     # the target logit: one load (a target outside [0, V) is clamped, not checked: no host syncs)
     tc = tl.minimum(tl.maximum(t, 0), V - 1)
     zt, _ = _logits(tl.load(z_row + tc, mask=r_ok, other=0.0).to(tl.float32), z_row, tc, r_ok, scale,
-                    softcap, False, SOFTCAP, ROUND, RNE_BY_BITS)
+                    softcap, False, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
     loss = lse - zt
     if SMOOTHING:
         loss = (1.0 - smoothing) * loss + smoothing * (lse - zsum / V)
@@ -95,9 +97,9 @@ def _lce_fast_rows_kernel(
         cols = v0 + tl.arange(0, BLOCK)[None, :]
         mask = r_ok & (cols < V)
         zr = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-        z, th = _logits(zr, z_row, cols, mask, scale, softcap, False, SOFTCAP, ROUND, RNE_BY_BITS)
+        z, th = _logits(zr, z_row, cols, mask, scale, softcap, False, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
         dz = (tl.exp(z - lse) - off_target - tl.where(cols == t, on_target, 0.0)) * w
-        dz = _dlogits(dz, th, scale, softcap, SOFTCAP, ROUND, RNE_BY_BITS)
+        dz = _dlogits(dz, th, scale, softcap, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
         tl.store(z_row + cols, dz.to(z_ptr.dtype.element_ty), mask=mask)
 
 
@@ -116,13 +118,15 @@ def _fast_tile(v: int) -> int:
     return min(triton.next_power_of_2(v), _FAST_TILE)
 
 
-def _fast_rows(z, target, loss_rows, w, n0, ignore_index, smoothing, softcap, scale, rounding, on_triton):
+def _fast_rows(z, target, loss_rows, w, n0, ignore_index, smoothing, softcap, scale, rounding, round_ops,
+               on_triton):
     """One pass's row losses into loss_rows[n0:n0+R]; z (the pass's raw logits) becomes dzr;
-    rounding: eager's roundings of the logit ops in z's dtype."""
+    rounding: eager's roundings of the logit ops in z's dtype; round_ops: also of the scale and
+    softcap (they run in z's dtype, before the .float())."""
     rows, vocab = z.shape
     if not on_triton:
         loss, dz = _fast_rows_reference(z, target[n0:n0 + rows], w, ignore_index, smoothing, softcap, scale,
-                                        rounding)
+                                        rounding, round_ops)
         loss_rows[n0:n0 + rows] = loss
         z.copy_(dz)
         return
@@ -132,6 +136,7 @@ def _fast_rows(z, target, loss_rows, w, n0, ignore_index, smoothing, softcap, sc
         z, target, loss_rows, w, n0, rows, vocab, z.stride(0), ignore_index, scale, softcap,
         1.0 - smoothing, smoothing / vocab, smoothing,
         SOFTCAP=softcap > 0, SMOOTHING=smoothing > 0, ROUND=round_code(z.dtype, rounding),
+        ROUND_OPS=round_code(z.dtype, rounding and round_ops),
         RNE_BY_BITS=rne_by_bits(z.device), BLOCK_N=block_n, BLOCK=block, num_warps=_num_warps(block),
     )
 
@@ -140,7 +145,7 @@ def _fast_rows(z, target, loss_rows, w, n0, ignore_index, smoothing, softcap, sc
 def linear_cross_entropy_fast(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
     ignore_index: int, reduction: str, label_smoothing: float, softcap: float, logit_scale: float,
-    eager_rounding: bool, need_dx: bool, need_dw: bool, need_db: bool,
+    eager_rounding: bool, fp32_transform: bool, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, dx, dweight, dbias) for an upstream gradient of 1; each one not needed is empty."""
     x, weight, target = x.contiguous(), weight.contiguous(), target.contiguous()
@@ -168,7 +173,7 @@ def linear_cross_entropy_fast(
         else:
             torch.mm(xs, weight.T, out=z)
         _fast_rows(z, target, loss_rows, w, n0, ignore_index, label_smoothing, softcap, logit_scale,
-                   eager_rounding, on_triton)
+                   eager_rounding, not fp32_transform, on_triton)
         if need_dx:
             torch.mm(z, weight, out=dx[n0:n0 + rows])
         if need_dw and n0 == 0:
@@ -183,7 +188,7 @@ def linear_cross_entropy_fast(
 
 @linear_cross_entropy_fast.register_fake
 def _(x, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, logit_scale,
-      eager_rounding, need_dx, need_dw, need_db):
+      eager_rounding, fp32_transform, need_dx, need_dw, need_db):
     dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)
     db = bias.new_empty(bias.shape) if need_db and bias is not None else x.new_empty(0)
@@ -191,7 +196,7 @@ def _(x, weight, bias, target, ignore_index, reduction, label_smoothing, softcap
 
 
 def _setup_context(ctx, inputs, output):
-    bias, need_dx, need_dw, need_db = inputs[2], *inputs[10:]
+    bias, need_dx, need_dw, need_db = inputs[2], *inputs[11:]
     ctx.computed = (need_dx, need_dw, need_db and bias is not None)
     ctx.save_for_backward(*output[1:])
     ctx.mark_non_differentiable(*output[1:])
@@ -201,23 +206,23 @@ def _backward(ctx, dloss, _ddx, _ddw, _ddb):
     grads = ctx.saved_tensors
     wanted = [need and have for need, have in zip(ctx.needs_input_grad[:3], ctx.computed)]
     if dloss is None or not any(wanted):
-        return (None,) * 13
+        return (None,) * 14
     out = [g * dloss if want else None for g, want in zip(grads, wanted)]
     if torch.is_grad_enabled():  # create_graph=True: the precomputed grads have no derivative
         kept = [g for g in out if g is not None]
         it = iter(no_double_backward(torch.ops.fxfuse.linear_cross_entropy_fast.default, tuple(kept)))
         out = [next(it) if g is not None else None for g in out]
-    return (*out,) + (None,) * 10
+    return (*out,) + (None,) * 11
 
 
 linear_cross_entropy_fast.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _fast_rows_reference(z, target, w, ignore_index, smoothing, softcap, scale, rounding):
+def _fast_rows_reference(z, target, w, ignore_index, smoothing, softcap, scale, rounding, round_ops):
     """PyTorch twin of _lce_fast_rows_kernel: (row losses [R] fp32, dzr [R, V] fp32) of one pass."""
     rows, vocab = z.shape
     low = z.dtype if rounding else None
-    z, t = _logits_reference(z.float(), None, 0, softcap, scale, low)
+    z, t = _logits_reference(z.float(), None, 0, softcap, scale, low, round_ops)
     ignored = target == ignore_index
     lse = z.logsumexp(1)
     zt = z.gather(1, target.clamp(0, vocab - 1)[:, None])[:, 0]
@@ -226,5 +231,5 @@ def _fast_rows_reference(z, target, w, ignore_index, smoothing, softcap, scale, 
         loss = (1.0 - smoothing) * loss + smoothing * (lse - z.sum(1) / vocab)
     onehot = torch.arange(vocab, device=z.device)[None, :] == target[:, None]
     dz = (z - lse[:, None]).exp() - smoothing / vocab - onehot * (1.0 - smoothing)
-    dz = _dlogits_reference(dz * torch.where(ignored, 0.0, w)[:, None], t, scale, softcap, low)
+    dz = _dlogits_reference(dz * torch.where(ignored, 0.0, w)[:, None], t, scale, softcap, low, round_ops)
     return torch.where(ignored, 0.0, loss), dz

@@ -3,7 +3,7 @@
 The fused op never materialises the [N, V] logits, their fp32 copy or their gradient. Spellings:
 HF ``ForCausalLMLoss`` (``logits.float()``, ``view(-1, V)``), Gemma 2's softcap
 ``tanh(z / c) * c``, a logit scale (Cohere ``* s``, Granite ``/ s``), each with or without a bias,
-and class dim second (``[B, V, T]`` with ``[B, T]`` targets). The canonical view (fxfuse/canon.py)
+each before the ``.float()`` (HF) or after it (nanochat's fp32 softcap), and class dim second (``[B, V, T]`` with ``[B, T]`` targets). The canonical view (fxfuse/canon.py)
 makes the rest the same graphs: ``x @ W.t()`` reads as ``F.linear`` (normalize.canonical_linear),
 and the casts to fp32 and [N, V] row merges on the logits' way into cross_entropy disappear, so
 torchtitan's ``flatten(0, 1).float()``, nanoGPT's uncast ``view(-1, V)`` and 2-D hidden states all
@@ -88,6 +88,45 @@ def lce_bias_divided(x, w, b, target, logits_scaling=1.0, ignore_index=-100, lab
     return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
 
 
+def lce_softcap_nanochat(x, w, target, softcap=15.0, ignore_index=-1, label_smoothing=0.0):
+    """nanochat: logits.float() ("switch to fp32 for logit softcap and loss computation"), then
+    softcap * tanh(logits / softcap); its logits[..., :vocab_size] of a padded lm_head reads as the
+    lm_head (canon_rules._vocab_slice)."""
+    logits = F.linear(x, w).float()
+    logits = softcap * torch.tanh(logits / softcap)
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
+def lce_fp32_scaled(x, w, target, logit_scale=1.0, ignore_index=-100, label_smoothing=0.0):
+    """A logit scale applied after the .float() (in fp32)."""
+    logits = F.linear(x, w).float() * logit_scale
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
+def lce_fp32_divided(x, w, target, logits_scaling=1.0, ignore_index=-100, label_smoothing=0.0):
+    """A logit divisor applied after the .float() (in fp32)."""
+    logits = F.linear(x, w).float() / logits_scaling
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
+def lce_bias_fp32_softcap(x, w, b, target, softcap=30.0, ignore_index=-100, label_smoothing=0.0):
+    """A biased lm_head, .float(), then the softcap in fp32."""
+    logits = softcap * torch.tanh(F.linear(x, w, b).float() / softcap)
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
+def lce_bias_fp32_scaled(x, w, b, target, logit_scale=1.0, ignore_index=-100, label_smoothing=0.0):
+    """A biased lm_head, .float(), then a logit scale in fp32."""
+    logits = F.linear(x, w, b).float() * logit_scale
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
+def lce_bias_fp32_divided(x, w, b, target, logits_scaling=1.0, ignore_index=-100, label_smoothing=0.0):
+    """A biased lm_head, .float(), then a logit divisor in fp32."""
+    logits = F.linear(x, w, b).float() / logits_scaling
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
 def lce_class_dim_second(x, w, target2d, ignore_index=-100, label_smoothing=0.0):
     """cross_entropy on [B, V, T] logits with [B, T] targets."""
     return _ce(F.linear(x, w).float().transpose(1, 2), target2d, ignore_index, label_smoothing)
@@ -118,7 +157,7 @@ def check(m) -> str | None:
         return f"weight {list(w.shape)} is not [V, H]"
     logits = val(m.anchor.args[0])
     if m.variant.fn is not lce_class_dim_second and (logits is None or logits.dim() != 2):
-        # the canonical view elides the [N, V] row merges before cross_entropy (canon._logits_chain)
+        # the canonical view elides the [N, V] row merges before cross_entropy (canon_rules._logits_chain)
         return (f"cross_entropy's input has shape {list(logits.shape) if logits is not None else '?'}, not "
                 "[N, V] logits (with its class dim elsewhere the fused op would read the wrong axis)")
     return None
@@ -127,6 +166,13 @@ def check(m) -> str | None:
 def _logits_node(m) -> fx.Node:
     (n,) = [n for n in m.region if n.target in (aten.linear.default, aten.matmul.default)]
     return n
+
+
+def _vocab_prefix(m) -> int | None:
+    """V where the logits are the lm_head's output sliced to its first V columns, else None."""
+    z = _logits_node(m)
+    sl = [n for n in m.region if n.target == aten.slice.Tensor and n.args[0] is z]
+    return sl[0].args[3] if sl else None
 
 
 def _logit_scale(scalars: dict) -> float:
@@ -144,12 +190,17 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
     if low != val(x).dtype:  # autocast ran the lm_head in low precision: cast as it does
         x, w = call(aten.to.dtype, (x, low)), call(aten.to.dtype, (w, low))
         b = call(aten.to.dtype, (b, low)) if b is not None else None
+    vocab = _vocab_prefix(m)
+    if vocab is not None:  # logits z[..., :V] of a padded lm_head: its first V rows (canon_rules._vocab_slice)
+        w = call(aten.slice.Tensor, (w, 0, 0, vocab))
+        b = call(aten.slice.Tensor, (b, 0, 0, vocab)) if b is not None else None
     x = call(aten.flatten.using_ints, (x, 0, -2))
     target = call(aten.flatten.using_ints, (_target(m), 0, -1))
     s = m.scalars
     loss = call(torch.ops.fxfuse.linear_cross_entropy.default, (
         x, w, b, target, int(s["ignore_index"]), REDUCTIONS[s["reduction"]], float(s["label_smoothing"]),
-        float(s.get("softcap", 0.0)), _logit_scale(s), opts.loss_head_algorithm(), opts.eager_rounding))
+        float(s.get("softcap", 0.0)), _logit_scale(s), opts.loss_head_algorithm(), opts.eager_rounding,
+        m.variant.consts.get("fp32_transform", False)))
     out_dtype = val(m.anchor).dtype
     return loss if out_dtype == torch.float32 else call(aten.to.dtype, (loss, out_dtype))
 
@@ -187,6 +238,10 @@ def _returned_only(n: fx.Node, users: list) -> bool:
 
 
 _bf, _f32, _i64 = torch.bfloat16, torch.float32, torch.int64
+# transform after the .float(): only the lm_head's output rounds in low precision (in fp32 models the
+# cast is a no-op and these graphs are the cast-after variants', so they are traced in bf16 only)
+_FP32_TRANSFORM = {"fp32_transform": True}
+_LOW = ({"x": _bf, "w": _bf, "b": _bf, "target": _i64},)
 PATTERN = Pattern(
     name="linear_cross_entropy",
     variants=(
@@ -196,6 +251,12 @@ PATTERN = Pattern(
         Variant(lce_bias_softcap, {}),
         Variant(lce_bias_scaled, {}),
         Variant(lce_bias_divided, {}),
+        Variant(lce_softcap_nanochat, _FP32_TRANSFORM, dtypes=_LOW),
+        Variant(lce_fp32_scaled, _FP32_TRANSFORM, dtypes=_LOW),
+        Variant(lce_fp32_divided, _FP32_TRANSFORM, dtypes=_LOW),
+        Variant(lce_bias_fp32_softcap, _FP32_TRANSFORM, dtypes=_LOW),
+        Variant(lce_bias_fp32_scaled, _FP32_TRANSFORM, dtypes=_LOW),
+        Variant(lce_bias_fp32_divided, _FP32_TRANSFORM, dtypes=_LOW),
         Variant(lce_hf_bias, {}),
         Variant(lce_hf, {}),
         Variant(lce_class_dim_second, {}),

@@ -7,7 +7,7 @@ one attention layer) into one ``fxfuse::rope`` call, which is one site. Spelling
     ``stack(-x[..., 1::2], x[..., ::2]).flatten(-2)``);
   - the same rotation written out on halves: ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``,
     cos / sin [..., D/2], the halves sliced or ``torch.chunk``-ed (gpt-oss; canonically the same
-    slices), or the even / odd channels (DeepSeek V3's ``apply_rotary_pos_emb_interleave``:
+    slices), nanochat's rotation by -angle ``cat(x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos)``, or the even / odd channels (DeepSeek V3's ``apply_rotary_pos_emb_interleave``:
     interleaved pairs in, the halves layout out; lowered as that channel permutation of x, one
     copy, then the halves rotation);
   - interleaved pairs: Meta / torchtitan ``view_as_complex(x.reshape(..., -1, 2)) * freqs_cis``, and
@@ -59,6 +59,16 @@ def rope_halves(x, cos_h, sin_h):
     x1 = x[..., : x.shape[-1] // 2]
     x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat([x1 * cos_h - x2 * sin_h, x2 * cos_h + x1 * sin_h], dim=-1)
+
+
+def rope_halves_nanochat(x, cos_h, sin_h):
+    """nanochat's ``apply_rotary_emb``: the halves rotation by -angle, ``y1 = x1 * cos + x2 * sin``,
+    ``y2 = x1 * (-sin) + x2 * cos`` (rope_halves with sin negated)."""
+    d = x.shape[3] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    y1 = x1 * cos_h + x2 * sin_h
+    y2 = x1 * (-sin_h) + x2 * cos_h
+    return torch.cat([y1, y2], 3)
 
 
 def rope_halves_pairs_deepseek(x, cos_h, sin_h):
@@ -176,9 +186,11 @@ def _per_channel(graph: fx.Graph, m) -> tuple[fx.Node, fx.Node]:
         rank = val(src).dim() if form == "complex" else val(src).dim() - 1
         halves = [call(aten.select.int, (pairs, -1, i)) for i in (0, 1)]
         tabs = [call(aten.flatten.using_ints, (call(aten.stack.default, ([h, h], -1)), -2, -1)) for h in halves]
-    elif form in ("halves", "halves_pairs"):
+    elif form in ("halves", "halves_flipped", "halves_pairs"):
         rank = val(m.inputs["cos_h"]).dim()
         tabs = [call(aten.cat.default, ([m.inputs[n], m.inputs[n]], -1)) for n in ("cos_h", "sin_h")]
+        if form == "halves_flipped":  # the rotation by -angle: rope_halves with -sin
+            tabs[1] = call(aten.neg.default, (tabs[1],))
     else:
         rank = val(m.inputs["cos"]).dim()
         tabs = [m.inputs["cos"], m.inputs["sin"]]
@@ -252,7 +264,7 @@ def _is_candidate(n: fx.Node) -> bool:
         return False
     pieces = [p for p in n.args[0] if isinstance(p, fx.Node)]
     return any(p.target == aten.neg.default for p in pieces) or (
-        {p.target for p in pieces} == {aten.sub.Tensor, aten.add.Tensor}
+        len(pieces) == 2 and {p.target for p in pieces} <= {aten.sub.Tensor, aten.add.Tensor}
         and all(isinstance(a, fx.Node) and a.target == aten.mul.Tensor for p in pieces for a in p.args[:2]))
 
 
@@ -264,6 +276,7 @@ PATTERN = Pattern(
         Variant(rope_rotate_half_flipped, {"form": "half_flipped"}),
         Variant(rope_interleaved, {"form": "interleaved"}),
         Variant(rope_halves, {"form": "halves"}),
+        Variant(rope_halves_nanochat, {"form": "halves_flipped"}),
         Variant(rope_halves_pairs_deepseek, {"form": "halves_pairs"}),
         Variant(rope_complex_meta, {"form": "complex"}, dtypes=({"x": _bf, "freqs_cis": _c64},
                                                                  {"x": _f32, "freqs_cis": _c64})),

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxfuse.canon import logistic_denominator, val
+from fxfuse.canon_rules import logistic_denominator, val
 from fxfuse.pattern import Pattern, Variant
 
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)

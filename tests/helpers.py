@@ -100,20 +100,20 @@ def flat_grads(grads: dict) -> torch.Tensor:
     return torch.cat([grads[k].double().flatten() for k in sorted(grads)])
 
 
-def bf16_errors(make_model, inputs: dict, autocast: bool = False, patterns=None):
+def bf16_errors(make_model, inputs: dict, autocast: bool = False, patterns=None, loss_fn=None):
     """((eager loss err, eager grads err), (fxfuse loss err, fxfuse grads err)) of a bf16 run
     (bf16 weights, or fp32 weights under bf16 autocast) against the fp32 eager reference;
     make_model(dtype) builds the same model each call."""
-    ref_loss, ref_grads = loss_and_grads(make_model(torch.float32), inputs)
+    ref_loss, ref_grads = loss_and_grads(make_model(torch.float32), inputs, loss_fn)
     dtype = torch.float32 if autocast else torch.bfloat16
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else torch.enable_grad
     with ctx():
-        e_loss, e_grads = loss_and_grads(make_model(dtype), inputs)
+        e_loss, e_grads = loss_and_grads(make_model(dtype), inputs, loss_fn)
     mine = make_model(dtype)
     options = {"inner": "aot_eager"} | ({"patterns": patterns} if patterns else {})
     compiled = torch.compile(mine, backend="fxfuse", options=options)
     with ctx():
-        f_loss, f_grads = loss_and_grads(mine, inputs, call=compiled)
+        f_loss, f_grads = loss_and_grads(mine, inputs, loss_fn, call=compiled)
     ref, e, f = flat_grads(ref_grads), flat_grads(e_grads), flat_grads(f_grads)
     return (rel_err(e_loss, ref_loss), rel_err(e, ref)), (rel_err(f_loss, ref_loss), rel_err(f, ref))
 

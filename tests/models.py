@@ -4,7 +4,9 @@ GptFastLM: gpt-fast's model: fused wqkv, interleaved RoPE in real arithmetic (re
 hand-written RMSNorm (x * x, fp32 then type_as), SwiGLU ``w2(silu(w1 x) * w3 x)``.
 TitanLM: torchtitan / Meta Llama: complex RoPE (``view_as_complex * freqs_cis``), nn.RMSNorm,
 separate wq/wk/wv, GQA.
-Both take ``input_ids`` and optional ``labels`` and return the loss when labels are given.
+NanoGPT: nanoGPT (LayerNorm, GELU, tied head); NanoChatLM: nanochat (functional norms, RoPE by
+-angle on halves, relu^2, a padded lm_head sliced to the vocabulary, fp32 softcap).
+All take ``input_ids`` and optional ``labels`` and return the loss when labels are given.
 """
 from __future__ import annotations
 
@@ -178,6 +180,84 @@ class NanoGPT(nn.Module):
         for block in self.blocks:
             x = block(x, src_mask=mask, is_causal=True)
         logits = self.lm_head(self.ln_f(x))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-1)
+
+
+def nanochat_norm(x):
+    """nanochat's RMSNorm: functional, no weight."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def nanochat_rotary(x, cos, sin):
+    """nanochat's apply_rotary_emb: x [B, T, H, D], cos / sin [1, T, 1, D/2]."""
+    d = x.shape[3] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    y1 = x1 * cos + x2 * sin
+    y2 = x1 * (-sin) + x2 * cos
+    return torch.cat([y1, y2], 3).to(x.dtype)
+
+
+class NanoChatAttention(nn.Module):
+    def __init__(self, dim, heads, kv_heads):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.c_q = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.c_k = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.c_v = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.c_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.c_q(x).view(b, t, self.heads, self.head_dim)
+        k = self.c_k(x).view(b, t, self.kv_heads, self.head_dim)
+        v = self.c_v(x).view(b, t, self.kv_heads, self.head_dim)
+        q, k = nanochat_rotary(q, cos, sin), nanochat_rotary(k, cos, sin)
+        q, k = nanochat_norm(q), nanochat_norm(k)  # QK norm, after the rotation
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, -1))
+
+
+class NanoChatBlock(nn.Module):
+    def __init__(self, dim, heads, kv_heads):
+        super().__init__()
+        self.attn = NanoChatAttention(dim, heads, kv_heads)
+        self.c_fc, self.c_proj = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(nanochat_norm(x), cos, sin)
+        return x + self.c_proj(F.relu(self.c_fc(nanochat_norm(x))).square())
+
+
+class NanoChatLM(nn.Module):
+    """nanochat: weightless functional RMSNorm (also on q / k after the rotation), RoPE by -angle on
+    halves, relu^2 MLP, untied embedding and lm_head padded to a multiple of 64 rows, the logits
+    sliced back to the vocabulary, .float(), softcap 15 in fp32; targets with ignore_index=-1."""
+
+    def __init__(self, vocab=96, dim=32, heads=4, kv_heads=2, layers=2, max_seq=64):
+        super().__init__()
+        self.vocab = vocab
+        padded = -(-vocab // 64) * 64
+        self.wte = nn.Embedding(padded, dim)
+        self.blocks = nn.ModuleList(NanoChatBlock(dim, heads, kv_heads) for _ in range(layers))
+        self.lm_head = nn.Linear(dim, padded, bias=False)
+        half = dim // heads // 2
+        inv_freq = 1.0 / (10000 ** (torch.arange(half).float() / half))
+        angles = torch.outer(torch.arange(max_seq).float(), inv_freq)[None, :, None, :]  # [1, T, 1, D/2]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, input_ids, labels=None):
+        t = input_ids.shape[1]
+        cos, sin = self.cos[:, :t], self.sin[:, :t]
+        x = nanochat_norm(self.wte(input_ids))
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.lm_head(nanochat_norm(x))[..., :self.vocab]
+        logits = logits.float()
+        logits = 15 * torch.tanh(logits / 15)
         if labels is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-1)

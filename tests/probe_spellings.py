@@ -6,7 +6,7 @@ through ``fxfuse.explain`` on CPU; prints the combinations that do not fuse and 
 
 Not a test (pytest does not collect it): the product is too large for CI. The tests keep a
 representative slice of each axis (tests/test_rms_norm_graph.py SPELLINGS, the rotate_half halves
-in tests/test_rope_graph.py, tests/test_linear_cross_entropy_graph.py's 72 head combinations). Exit status 1 if any
+in tests/test_rope_graph.py, tests/test_linear_cross_entropy_graph.py's 96 head combinations). Exit status 1 if any
 combination misses, so a matcher change can be checked against the whole product.
 """
 from __future__ import annotations
@@ -62,12 +62,13 @@ def halves(x, how):
 
 
 def head_fn(layout, transform, bias, cast):
-    """F.linear -> transform -> [.float()] -> layout -> cross_entropy, as hand-written code spells it
-    (also tests/test_linear_cross_entropy_graph.py)."""
+    """F.linear -> transform -> layout -> cross_entropy, as hand-written code spells it, with the
+    .float() before the transform, after it, or none (also tests/test_linear_cross_entropy_graph.py)."""
     def fn(x, w, b, t):
         z = F.linear(x, w, b if bias else None)
+        z = z.float() if cast == "before" else z
         z = {"none": z, "scale": z * 0.5, "divide": z / 2.0, "softcap": torch.tanh(z / 30.0) * 30.0}[transform]
-        z = z.float() if cast else z
+        z = z.float() if cast == "after" else z
         z = z.view(-1, z.shape[-1]) if layout == "view" else z.flatten(0, 1) if layout == "flatten" else z
         return F.cross_entropy(z, t.view(-1))
     return fn
@@ -132,8 +133,10 @@ def swiglu_cases():
 
 
 def linear_cross_entropy_cases():
-    """Hidden-state layout x logit transform x bias x .float() (fp32: always, a no-op)."""
-    for dt, cast in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)):
+    """Hidden-state layout x logit transform x bias x .float() after / before the transform, or none
+    (fp32: a no-op, so one case)."""
+    for dt, cast in ((torch.float32, "after"), (torch.bfloat16, "after"), (torch.bfloat16, "before"),
+                     (torch.bfloat16, "none")):
         for combo in itertools.product(("2d", "view", "flatten"), ("none", "scale", "divide", "softcap"), (False, True)):
             x = torch.randn(*((16,) if combo[0] == "2d" else (2, 8)), 16, dtype=dt, requires_grad=True)
             w, b = torch.randn(40, 16, dtype=dt, requires_grad=True), torch.randn(40, dtype=dt, requires_grad=True)

@@ -157,9 +157,9 @@ def test_frozen_input(algo, frozen):
 
 def test_bwd_skips_unneeded_grads():
     x, w, b, t = _inputs(37, 24, 211, torch.float32, True)
-    rows, lse = torch.ops.fxfuse.linear_cross_entropy_fwd(x, w, b, t, -100, 0.0, 0.0, 1.0, False)
+    rows, lse = torch.ops.fxfuse.linear_cross_entropy_fwd(x, w, b, t, -100, 0.0, 0.0, 1.0, False, False)
     dx, dw, db = torch.ops.fxfuse.linear_cross_entropy_bwd(
-        torch.ones_like(rows), x, w, b, t, lse, -100, 0.0, 0.0, 1.0, False, True, False, False)
+        torch.ones_like(rows), x, w, b, t, lse, -100, 0.0, 0.0, 1.0, False, False, True, False, False)
     assert dx.shape == x.shape and dw.numel() == 0 and db.numel() == 0
     x.requires_grad_()
     EAGER(x, w, b, t, -100, "sum").backward()
@@ -168,7 +168,7 @@ def test_bwd_skips_unneeded_grads():
 
 def test_fast_op_skips_unneeded_grads():
     x, w, b, t = _inputs(37, 24, 211, torch.float32, True)
-    loss, dx, dw, db = FAST(x, w, b, t, -100, "sum", 0.0, 0.0, 1.0, False, False, True, False)
+    loss, dx, dw, db = FAST(x, w, b, t, -100, "sum", 0.0, 0.0, 1.0, False, False, False, True, False)
     assert dx.numel() == 0 and dw.shape == w.shape and db.numel() == 0
     w.requires_grad_()
     ref = EAGER(x, w, b, t, -100, "sum")
@@ -203,16 +203,19 @@ def test_rejects_bad_reduction_and_algorithm():
 def test_never_allocates_n_by_v(monkeypatch):
     """lean: every logits chunk is at most rows x cols of the plan, in the forward and the backward."""
     shapes = []
-    mm = lce._mm_f32
+    raw = lce._raw_logits
 
-    def spy(a, b, out):
-        mm(a, b, out)
-        shapes.append(tuple(out.shape))
+    def spy(*args):
+        z, bias = raw(*args)
+        shapes.append(tuple(z.shape))
+        return z, bias
 
-    monkeypatch.setattr(lce, "_mm_f32", spy)
-    x, w, b, t = _inputs(37, 24, 211, torch.float32)
-    _fwd_bwd(OP, x, w, b, t, -100, "mean", 0.0, 0.0, 1.0, "lean")
-    assert len(shapes) == 2 * 3 * 4 and all(r <= 16 and c <= 64 for r, c in shapes)
+    monkeypatch.setattr(lce, "_raw_logits", spy)
+    for dtype, rounding in ((torch.float32, False), (torch.bfloat16, True)):  # fp32 sums / eager's matmul
+        shapes.clear()
+        x, w, b, t = _inputs(37, 24, 211, dtype, True)
+        _fwd_bwd(OP, x, w, b, t, -100, "mean", 0.0, 0.0, 1.0, "lean", rounding)
+        assert len(shapes) == 2 * 3 * 4 and all(r <= 16 and c <= 64 for r, c in shapes)
 
 
 def _spy_fast_rows(monkeypatch):
@@ -308,16 +311,44 @@ def test_eager_rounding_matches_eager(monkeypatch, dtype, algo, softcap, scale, 
         assert _rel(g, e) < 2e-4, name
 
 
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("softcap,scale,std", [(30.0, 1.0, 40.0), (15.0, 0.3, 40.0), (0.0, 0.3, 4.0)],
+                         ids=["softcap", "scaled_softcap", "scale"])
+def test_fp32_transform_rounding_matches_eager(monkeypatch, dtype, algo, softcap, scale, std):
+    """A head cast to fp32 before its scale / softcap (nanochat): with eager_rounding and
+    fp32_transform only the lm_head's output and the gradient reaching it are rounded, so loss and
+    every gradient equal eager's; the every-op rounding of the cast-after spelling would not.
+    lean's dx is an fp32 accumulation of gradient-group matmuls, not eager's low-precision matmul:
+    here one pass and one group, its reference eager's rounded logits gradient @ W in one fp32
+    matmul (a flip of one bf16 unit from another summation order is ~1e-3 of max |dx|)."""
+    monkeypatch.setattr(lce_chunks, "_CHUNK_OVERRIDE", (64, 128, 512))
+    x, w, b, t = _inputs(37, 64, 300, dtype, True, logit_std=std)
+    args = (-100, "mean", 0.1, softcap, scale)
+    eager = _fwd_bwd(lambda *a: EAGER(*a, fp32_transform=True), x, w, b, t, *args)
+    if algo == "lean":
+        z = torch.nn.functional.linear(x, w, b).requires_grad_()
+        zf = z.float() * scale
+        zf = softcap * torch.tanh(zf / softcap) if softcap else zf
+        (dz,) = torch.autograd.grad(torch.nn.functional.cross_entropy(zf, t, label_smoothing=0.1), z)
+        eager[1] = (dz.float() @ w.float()).to(dtype)
+    got = _fwd_bwd(lambda *a: OP(*a, algo, True, True), x, w, b, t, *args)
+    every_op = _fwd_bwd(lambda *a: OP(*a, algo, True, False), x, w, b, t, *args)
+    for name, g, e in zip(["loss", "dx", "dw", "db"], got, eager):
+        assert _rel(g, e) < 2e-4, name
+    assert max(_rel(g, e) for g, e in zip(every_op, eager)) > 2e-4  # the bound tells the two apart
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_opcheck(bias):
     x, w, b, t = _inputs(37, 24, 211, torch.float32, bias)
     x.requires_grad_()
     w.requires_grad_()
-    torch.library.opcheck(torch.ops.fxfuse.linear_cross_entropy_fwd, (x, w, b, t, -100, 0.1, 2.0, 1.0, False))
-    rows, lse = torch.ops.fxfuse.linear_cross_entropy_fwd(x, w, b, t, -100, 0.1, 2.0, 1.0, False)
+    torch.library.opcheck(torch.ops.fxfuse.linear_cross_entropy_fwd, (x, w, b, t, -100, 0.1, 2.0, 1.0, False, False))
+    rows, lse = torch.ops.fxfuse.linear_cross_entropy_fwd(x, w, b, t, -100, 0.1, 2.0, 1.0, False, False)
     torch.library.opcheck(torch.ops.fxfuse.linear_cross_entropy_bwd,
                           (torch.rand_like(rows), x.detach(), w.detach(), b, t, lse.detach(), -100, 0.1,
-                           2.0, 1.0, False, True, True, bias))
+                           2.0, 1.0, False, False, True, True, bias))
 
 
 @pytest.mark.parametrize("bias,red", [(False, "mean"), (True, "sum")])
@@ -325,8 +356,8 @@ def test_opcheck_fast(bias, red):
     x, w, b, t = _inputs(37, 24, 211, torch.float32, bias)
     x.requires_grad_()
     w.requires_grad_()
-    torch.library.opcheck(FAST, (x, w, b, t, -100, red, 0.1, 2.0, 1.0, False, True, True, bias))
-    torch.library.opcheck(FAST, (x, w, b, t, 7, red, 0.0, 0.0, 0.5, True, False, True, False))
+    torch.library.opcheck(FAST, (x, w, b, t, -100, red, 0.1, 2.0, 1.0, False, False, True, True, bias))
+    torch.library.opcheck(FAST, (x, w, b, t, 7, red, 0.0, 0.0, 0.5, True, True, False, True, False))
 
 
 @pytest.mark.parametrize("algo", ALGOS)
