@@ -36,6 +36,7 @@ has swiglu && run swiglu && run swiglu --cuda-graph && run swiglu --chunked --sh
   && run swiglu --act clamped_swiglu --shapes 65536x2880 16384x2880 --cuda-graph
 has rope && run rope && run rope --cuda-graph
 has linear_cross_entropy && run linear_cross_entropy
+has nanochat && run nanochat
 for script in tune_rms_norm probe_rms_norm; do  # sweeps and probes, only when named
   if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" $script "* ]]; then
     echo "== $script"; timeout "${BENCH_TIMEOUT:-240}" python3 "$repo/bench/$script.py" 2>&1 | tee -a "$out/$script.log" | grep -v Warning

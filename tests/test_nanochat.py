@@ -51,3 +51,23 @@ def test_bf16_within_twice_eager_error():
     assert report.counts() == SITES and {s.variant for s in report.matched if s.pattern == "linear_cross_entropy"} \
         == {"lce_softcap_nanochat"}, str(report)
     assert f_loss <= 2 * e_loss and f_grads <= 2 * e_grads, ((e_loss, e_grads), (f_loss, f_grads))
+
+
+def test_benchmark_script_runs_on_cpu(monkeypatch, capsys):
+    """bench/bench_nanochat.py (the GPU end-to-end run) at a smoke size: the table and fxfuse's sites."""
+    import importlib.util
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_nanochat.py")
+    spec = importlib.util.spec_from_file_location("bench_nanochat", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(sys, "argv", ["bench_nanochat.py", "--dim", "32", "--layers", "2", "--heads", "2",
+                                      "--kv-heads", "1", "--vocab", "100", "--batch", "2", "--seq", "16",
+                                      "--steps", "2", "--warmup", "1", "--device", "cpu",
+                                      "--providers", "eager", "fxfuse"])
+    bench.main()
+    out = capsys.readouterr().out
+    assert "| eager |" in out and "| fxfuse |" in out and "| liger | n/a" in out
+    assert "fxfuse sites: rms_norm 10, rope 2, swiglu 0, linear_cross_entropy 1" in out, out
