@@ -383,15 +383,19 @@ def test_compile_inductor_fast():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("algo", ALGOS)
-def test_gpu_bf16_vs_fp64(monkeypatch, algo):
-    """The CUDA path (cuBLAS matmuls + compiled kernels) at a shape with several passes."""
+@pytest.mark.parametrize("rounding,fp32_transform", [(False, False), (True, False), (True, True)],
+                         ids=["fp32", "eager_rounding", "eager_rounding_fp32_transform"])
+def test_gpu_bf16_vs_fp64(monkeypatch, algo, rounding, fp32_transform):
+    """The CUDA path (cuBLAS matmuls + compiled kernels) at a shape with several passes; with eager's
+    roundings the lean chunks are cuBLAS bf16 matmuls (eager's own), for either cast position."""
     monkeypatch.setattr(lce_chunks, "_CHUNK_OVERRIDE", (512, 1024, 2048))
     x, w, b, t = (a.cuda() if a is not None else None
                   for a in _inputs(2000, 512, 5000, torch.bfloat16, True, logit_std=4.0))
     args = (-100, "mean", 0.1, 30.0, 1.0)
-    ref = _fwd_bwd(EAGER, x.double(), w.double(), b.double(), t, *args)
-    got = _fwd_bwd(_op(algo), x, w, b, t, *args)
-    eager = _fwd_bwd(EAGER, x, w, b, t, *args)
+    eager_fn = lambda *a: EAGER(*a, fp32_transform=fp32_transform)  # noqa: E731
+    ref = _fwd_bwd(eager_fn, x.double(), w.double(), b.double(), t, *args)
+    got = _fwd_bwd(lambda *a: OP(*a, algo, rounding, fp32_transform), x, w, b, t, *args)
+    eager = _fwd_bwd(eager_fn, x, w, b, t, *args)
     for name, g, e, r in zip(["loss", "dx", "dw", "db"], got, eager, ref):
         assert _rel(g, r) <= 2 * _rel(e, r), name
 
