@@ -3,7 +3,8 @@ structure: functional weightless RMSNorm, q / k norms after RoPE by -angle on ha
 padded lm_head sliced to the vocabulary, .float() then softcap 15), bf16 weights, AdamW.
 
 Providers side by side in one process, each on a fresh copy of the same weights and the same
-batches: eager, inductor, fxfuse (torch.compile(backend="fxfuse"), its defaults). Liger has no
+batches: eager, inductor, fxfuse (torch.compile(backend="fxfuse"), its defaults), and
+fxfuse:P1,P2 (only those patterns fused, e.g. fxfuse:linear_cross_entropy). Liger has no
 entry: its patches target HF model classes by name, and a hand-written model has none
 (``liger_kernel.transformers`` would leave it untouched), so its column would be eager's.
 
@@ -18,6 +19,7 @@ and the last step's, and the largest relative difference from eager's loss over 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -29,6 +31,39 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from models import NanoChatLM  # noqa: E402
 
 PROVIDERS = ("eager", "inductor", "fxfuse")
+
+
+def provider(name: str) -> str:
+    """eager, inductor, fxfuse, or fxfuse:P1,P2 (a subset of fxfuse's patterns)."""
+    from fxfuse.options import PATTERN_NAMES
+
+    base, _, pats = name.partition(":")
+    if base not in PROVIDERS or (pats and (base != "fxfuse" or not set(pats.split(",")) <= set(PATTERN_NAMES))):
+        raise argparse.ArgumentTypeError(f"{name!r}: expected one of {PROVIDERS} or fxfuse:P1,P2 of {PATTERN_NAMES}")
+    return name
+
+
+def compiled(model, name: str):
+    if name == "eager":
+        return model
+    if name == "inductor":
+        return torch.compile(model)
+    pats = name.partition(":")[2]
+    return torch.compile(model, backend="fxfuse", options={"patterns": pats.split(",")} if pats else None)
+
+
+def top_kernels(step, n: int) -> str:
+    """The n kernels with the most GPU time in one step, with their share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events)
+    events.sort(key=lambda e: -e.device_time_total)
+    return "\n".join(f"    {e.device_time_total / 1e3:8.2f} ms {100 * e.device_time_total / total:5.1f}%  {e.count:4d}x  "
+                     f"{e.key[:90]}" for e in events[:n]) + f"\n    {total / 1e3:8.2f} ms in all"
 
 
 def model_flops_per_token(model: NanoChatLM, seq: int) -> float:
@@ -48,11 +83,14 @@ def batches(vocab: int, batch: int, seq: int, steps: int, device: str) -> list[d
 
 
 def run(provider: str, args, data: list[dict]) -> dict:
+    gc.collect()  # the previous provider's model, optimizer and compiled code
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     torch.manual_seed(0)
     model = NanoChatLM(vocab=args.vocab, dim=args.dim, heads=args.heads, kv_heads=args.kv_heads,
                        layers=args.layers, max_seq=args.seq).to(args.device, torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=args.device == "cuda")
-    step_fn = model if provider == "eager" else torch.compile(model, backend=provider)
+    step_fn = compiled(model, provider)
     import fxfuse
 
     n0 = len(fxfuse.compiled_reports())
@@ -62,24 +100,28 @@ def run(provider: str, args, data: list[dict]) -> dict:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else 0
     losses, times = [], []
-    for batch in data:
-        t0 = time.perf_counter()
+
+    def step(batch):
         loss = step_fn(**batch)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())  # a sync: the step is done
+        return loss.item()  # a sync: the step is done
+
+    for batch in data:
+        t0 = time.perf_counter()
+        losses.append(step(batch))
         times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else float("nan")
+    profile = top_kernels(lambda: step(data[-1]), args.profile) if args.profile and cuda else ""
     report = ""
-    if provider == "fxfuse":
+    if provider.startswith("fxfuse"):
         counts = fxfuse.Report.merge(fxfuse.compiled_reports()[n0:]).counts()
         report = ", ".join(f"{k} {v}" for k, v in counts.items())
     ms = 1e3 * statistics.median(times[args.warmup:])
     flops = model_flops_per_token(model, args.seq)
-    del model, opt, step_fn
     torch._dynamo.reset()
-    return {"ms": ms, "peak": peak, "losses": losses, "report": report, "flops": flops}
+    return {"ms": ms, "peak": peak, "losses": losses, "report": report, "flops": flops, "profile": profile}
 
 
 def main() -> None:
@@ -93,7 +135,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4, help="steps left out of the median (compile included)")
-    p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    p.add_argument("--providers", nargs="+", default=list(PROVIDERS), type=provider)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the steps, profile one more and print its N costliest GPU kernels (CUDA)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     data = batches(args.vocab, args.batch, args.seq, args.steps, args.device)
@@ -110,8 +154,11 @@ def main() -> None:
         print(f"| {name} | {r['ms']:.1f} | {tokens / (r['ms'] / 1e3):,.0f} | {tflops:.0f} | {r['peak']:.0f} | "
               f"{r['losses'][0]:.4f} | {r['losses'][-1]:.4f} | {diff:.2e} |")
     print("| liger | n/a: no patch for a hand-written model |  |  |  |  |  |  |")
-    if "fxfuse" in results:
-        print(f"fxfuse sites: {results['fxfuse']['report']}")
+    for name, r in results.items():
+        if r["report"]:
+            print(f"{name} sites: {r['report']}")
+        if r["profile"]:
+            print(f"{name}, one step's costliest GPU kernels:\n{r['profile']}")
 
 
 if __name__ == "__main__":

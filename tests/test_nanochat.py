@@ -66,8 +66,9 @@ def test_benchmark_script_runs_on_cpu(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench_nanochat.py", "--dim", "32", "--layers", "2", "--heads", "2",
                                       "--kv-heads", "1", "--vocab", "100", "--batch", "2", "--seq", "16",
                                       "--steps", "2", "--warmup", "1", "--device", "cpu",
-                                      "--providers", "eager", "fxfuse"])
+                                      "--providers", "eager", "fxfuse", "fxfuse:linear_cross_entropy"])
     bench.main()
     out = capsys.readouterr().out
     assert "| eager |" in out and "| fxfuse |" in out and "| liger | n/a" in out
     assert "fxfuse sites: rms_norm 10, rope 2, swiglu 0, linear_cross_entropy 1" in out, out
+    assert "fxfuse:linear_cross_entropy sites: rms_norm 0, rope 0, swiglu 0, linear_cross_entropy 1" in out, out
