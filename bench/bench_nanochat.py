@@ -43,13 +43,13 @@ def provider(name: str) -> str:
     return name
 
 
-def compiled(model, name: str):
+def compiled(model, name: str, mode: str | None):
     if name == "eager":
         return model
     if name == "inductor":
-        return torch.compile(model)
+        return torch.compile(model, mode=mode)
     pats = name.partition(":")[2]
-    return torch.compile(model, backend="fxfuse", options={"patterns": pats.split(",")} if pats else None)
+    return torch.compile(model, backend="fxfuse", mode=mode, options={"patterns": pats.split(",")} if pats else None)
 
 
 def top_kernels(step, n: int) -> str:
@@ -90,7 +90,7 @@ def run(provider: str, args, data: list[dict]) -> dict:
     model = NanoChatLM(vocab=args.vocab, dim=args.dim, heads=args.heads, kv_heads=args.kv_heads,
                        layers=args.layers, max_seq=args.seq).to(args.device, torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=args.device == "cuda")
-    step_fn = compiled(model, provider)
+    step_fn = compiled(model, provider, args.mode)
     import fxfuse
 
     n0 = len(fxfuse.compiled_reports())
@@ -139,13 +139,16 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the steps, profile one more and print its N costliest GPU kernels (CUDA)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--mode", default=None, choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                   help="torch.compile mode of the compiled providers (reduce-overhead: CUDA graphs)")
     args = p.parse_args()
     data = batches(args.vocab, args.batch, args.seq, args.steps, args.device)
     tokens = args.batch * args.seq
     results = {name: run(name, args, data) for name in args.providers}
     ref = results.get("eager")
     print(f"NanoChatLM dim {args.dim} layers {args.layers} heads {args.heads}/{args.kv_heads} vocab {args.vocab} "
-          f"batch {args.batch} x {args.seq}, bf16, AdamW, {args.steps} steps (median after {args.warmup})")
+          f"batch {args.batch} x {args.seq}, bf16, AdamW, {args.steps} steps (median after {args.warmup})"
+          f"{', mode ' + args.mode if args.mode else ''}")
     print("| provider | step ms | tokens/s | TFLOP/s | MiB+ | loss step 0 | loss last | max rel diff vs eager |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
