@@ -48,8 +48,12 @@ def compiled(model, name: str, mode: str | None):
         return model
     if name == "inductor":
         return torch.compile(model, mode=mode)
+    from torch._inductor import list_mode_options
+
     pats = name.partition(":")[2]
-    return torch.compile(model, backend="fxfuse", mode=mode, options={"patterns": pats.split(",")} if pats else None)
+    # torch.compile takes a mode or options, not both: the mode's Inductor settings go in as options
+    options = {"inductor_config": list_mode_options(mode)} if mode not in (None, "default") else {}
+    return torch.compile(model, backend="fxfuse", options=options | ({"patterns": pats.split(",")} if pats else {}))
 
 
 def top_kernels(step, n: int) -> str:
