@@ -3,7 +3,8 @@
 The fused op never materialises the [N, V] logits, their fp32 copy or their gradient. Spellings:
 HF ``ForCausalLMLoss`` (``logits.float()``, ``view(-1, V)``), Gemma 2's softcap
 ``tanh(z / c) * c``, a logit scale (Cohere ``* s``, Granite ``/ s``), each with or without a bias,
-each before the ``.float()`` (HF) or after it (nanochat's fp32 softcap), and class dim second (``[B, V, T]`` with ``[B, T]`` targets). The canonical view (fxfuse/canon.py)
+each before the ``.float()`` (HF) or after it (nanochat's fp32 softcap), modded-nanogpt's fp32
+``30 * sigmoid(z / k)`` (a shifted softcap), and class dim second (``[B, V, T]`` with ``[B, T]`` targets). The canonical view (fxfuse/canon.py)
 makes the rest the same graphs: ``x @ W.t()`` reads as ``F.linear`` (normalize.canonical_linear),
 and the casts to fp32 and [N, V] row merges on the logits' way into cross_entropy disappear, so
 torchtitan's ``flatten(0, 1).float()``, nanoGPT's uncast ``view(-1, V)`` and 2-D hidden states all
@@ -127,6 +128,15 @@ def lce_bias_fp32_divided(x, w, b, target, logits_scaling=1.0, ignore_index=-100
     return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
 
 
+def lce_sigmoid_modded_nanogpt(x, w, target, sigmoid_cap=30.0, sigmoid_temperature=1.0, ignore_index=-100,
+                               label_smoothing=0.0):
+    """modded-nanogpt: lm_head(x).float(), then 30 * sigmoid(logits / (7.5 * sqrt(H))): a tanh softcap
+    of cap / 2 shifted up by cap / 2 (cap * sigmoid(u) = cap / 2 * (1 + tanh(u / 2))), and
+    cross-entropy does not see a shift of every logit."""
+    logits = sigmoid_cap * torch.sigmoid(F.linear(x, w).float() / sigmoid_temperature)
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
 def lce_class_dim_second(x, w, target2d, ignore_index=-100, label_smoothing=0.0):
     """cross_entropy on [B, V, T] logits with [B, T] targets."""
     return _ce(F.linear(x, w).float().transpose(1, 2), target2d, ignore_index, label_smoothing)
@@ -175,10 +185,15 @@ def _vocab_prefix(m) -> int | None:
     return sl[0].args[3] if sl else None
 
 
-def _logit_scale(scalars: dict) -> float:
+def _transform(scalars: dict) -> tuple[float, float]:
+    """(softcap, logit scale) of the fused op: z = softcap * tanh(scale * zr / softcap) (no softcap: 0).
+    A sigmoid cap c * sigmoid(zr / k) is the softcap c / 2 of zr * c / (4 k), shifted by c / 2."""
+    if "sigmoid_cap" in scalars:
+        cap, k = float(scalars["sigmoid_cap"]), float(scalars["sigmoid_temperature"])
+        return cap / 2, cap / (4 * k)
     if "logits_scaling" in scalars:
-        return 1.0 / float(scalars["logits_scaling"])
-    return float(scalars.get("logit_scale", 1.0))
+        return float(scalars.get("softcap", 0.0)), 1.0 / float(scalars["logits_scaling"])
+    return float(scalars.get("softcap", 0.0)), float(scalars.get("logit_scale", 1.0))
 
 
 def lower(m, graph: fx.Graph, opts) -> fx.Node:
@@ -199,7 +214,7 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
     s = m.scalars
     loss = call(torch.ops.fxfuse.linear_cross_entropy.default, (
         x, w, b, target, int(s["ignore_index"]), REDUCTIONS[s["reduction"]], float(s["label_smoothing"]),
-        float(s.get("softcap", 0.0)), _logit_scale(s), opts.loss_head_algorithm(), opts.eager_rounding,
+        *_transform(s), opts.loss_head_algorithm(), opts.eager_rounding,
         m.variant.consts.get("fp32_transform", False)))
     out_dtype = val(m.anchor).dtype
     return loss if out_dtype == torch.float32 else call(aten.to.dtype, (loss, out_dtype))
@@ -257,6 +272,7 @@ PATTERN = Pattern(
         Variant(lce_bias_fp32_softcap, _FP32_TRANSFORM, dtypes=_LOW),
         Variant(lce_bias_fp32_scaled, _FP32_TRANSFORM, dtypes=_LOW),
         Variant(lce_bias_fp32_divided, _FP32_TRANSFORM, dtypes=_LOW),
+        Variant(lce_sigmoid_modded_nanogpt, _FP32_TRANSFORM),
         Variant(lce_hf_bias, {}),
         Variant(lce_hf, {}),
         Variant(lce_class_dim_second, {}),

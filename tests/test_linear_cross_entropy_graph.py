@@ -188,6 +188,39 @@ def test_bf16_head_cast_before_transform(numerics, transform, variant):
             assert rel_err(f, e) < 2e-4, (name, rel_err(f, e))
 
 
+def _modded_nanogpt_head(x, w, t):
+    """modded-nanogpt's head: lm_head(x).float(), 30 * sigmoid(z / (7.5 sqrt(H))), sum reduction."""
+    logits = torch.nn.functional.linear(x, w).float()
+    logits = 30 * torch.sigmoid(logits / (7.5 * x.size(-1) ** 0.5))
+    return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), t, reduction="sum",
+                                             label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sigmoid_capped_head_modded_nanogpt(dtype):
+    """30 * sigmoid(z / k) is the softcap 15 of z * 30 / (4 k) shifted by 15, which cross-entropy
+    (label smoothing's mean term too) does not see: fused, loss and gradients equal eager's (fp32
+    < 1e-5; bf16 under numerics="eager" < 2e-4, only the lm_head output rounded)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 12, 64, generator=g).to(dtype)
+    w = (8.0 * torch.randn(96, 64, generator=g)).to(dtype)  # z / k ~ +-1: the sigmoid bends
+    t = torch.randint(0, 96, (48,), generator=g)
+    t[::7] = -100
+
+    def run(fn):
+        leaves = [v.detach().clone().requires_grad_() for v in (x, w)]
+        loss = fn(*leaves, t)
+        return [loss, *torch.autograd.grad(loss, leaves)]
+
+    eager = run(_modded_nanogpt_head)
+    opts = {"inner": "aot_eager", "loss_head": "fast"}
+    mine = run(torch.compile(_modded_nanogpt_head, backend="fxfuse", options=opts))
+    assert [s.variant for s in fxfuse.last_report().matched] == ["lce_sigmoid_modded_nanogpt"]
+    tol = FP32_TOL if dtype == torch.float32 else 2e-4
+    for name, f, e in zip(("loss", "dx", "dw"), mine, eager):
+        assert rel_err(f, e) < tol, (name, rel_err(f, e))
+
+
 @pytest.mark.parametrize("cut", ["prefix", "offset", "returned"])
 def test_padded_vocab_slice(cut):
     """logits[..., :V] of an lm_head padded past V rows fuses as the head over its first V rows (loss
