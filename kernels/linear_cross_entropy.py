@@ -10,7 +10,7 @@ Forward, per row n (eps = label_smoothing, c = softcap, s = logit_scale, t = tar
     z_n   = (x_n @ weight.T + bias) * s                   [V] fp32 (z = c * tanh(z / c) if c > 0)
     lse_n = logsumexp(z_n)
     row_n = (1 - eps) * (lse_n - z_n[t]) + eps * (lse_n - mean(z_n)),  0 where t == ignore_index
-    loss  = sum(row)  ("sum")  or  sum(row) / count(t != ignore_index)  ("mean")
+    loss  = sum(row)  ("sum"),  sum(row) / count(t != ignore_index)  ("mean"),  or row  ("none")
 This is F.cross_entropy(float32(z), target, ignore_index, reduction, label_smoothing) exactly,
 including an all-ignored batch: "mean" gives nan (0 / 0, as PyTorch), "sum" gives 0, and every
 gradient is 0. Targets outside [0, V) other than ignore_index are not checked (no host syncs).
@@ -297,17 +297,19 @@ torch.library.define(
 def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, softcap=0.0, logit_scale=1.0, algorithm="lean",
                          eager_rounding=False, fp32_transform=False):
-    """0-dim fp32 loss: the fast op if asked for and a gradient is needed, else the lean fwd op.
+    """0-dim fp32 loss ([N] fp32 row losses for reduction "none", 0 on ignored rows, as PyTorch's):
+    the fast op if asked for, a gradient is needed and the loss is one scalar, else the lean fwd op
+    (whose backward takes any per-row upstream gradient).
     eager_rounding: the logit ops (lm_head output, scale, softcap) and their gradients are rounded to
     x's dtype where eager rounds them, as the unfused graph computes them in that dtype;
     fp32_transform: the graph casts the lm_head's output to fp32 before its scale / softcap, so only
     that output and the gradient reaching it are rounded."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if algorithm not in ("fast", "lean"):
         raise ValueError(f"linear_cross_entropy: algorithm must be 'lean' or 'fast', got {algorithm!r}")
     need = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    if algorithm == "fast" and torch.is_grad_enabled() and any(need):
+    if algorithm == "fast" and reduction != "none" and torch.is_grad_enabled() and any(need):
         loss, _, _, _ = torch.ops.fxfuse.linear_cross_entropy_fast(
             x, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, logit_scale,
             eager_rounding, fp32_transform, *need)
@@ -315,7 +317,7 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     rows, _ = torch.ops.fxfuse.linear_cross_entropy_fwd(
         x, weight, bias, target, ignore_index, label_smoothing, softcap, logit_scale, eager_rounding,
         fp32_transform)
-    return _reduce_like_eager(rows, target, ignore_index, reduction)
+    return rows if reduction == "none" else _reduce_like_eager(rows, target, ignore_index, reduction)
 
 
 def linear_cross_entropy_eager(x, weight, bias, target, ignore_index=-100, reduction="mean",

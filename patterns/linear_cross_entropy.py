@@ -9,7 +9,8 @@ makes the rest the same graphs: ``x @ W.t()`` reads as ``F.linear`` (normalize.c
 and the casts to fp32 and [N, V] row merges on the logits' way into cross_entropy disappear, so
 torchtitan's ``flatten(0, 1).float()``, nanoGPT's uncast ``view(-1, V)`` and 2-D hidden states all
 match ``lce_hf`` (check then requires cross_entropy's input to be [N, V]).
-reduction, ignore_index and label_smoothing are captured (HF's ``sum / num_items_in_batch`` keeps
+reduction ("none" too: per-token losses, as litgpt's chunked loss and masked or weighted SFT losses
+take them), ignore_index and label_smoothing are captured (HF's ``sum / num_items_in_batch`` keeps
 its division outside the site). Label pad-and-shift stays outside: the target is whatever the graph
 hands cross_entropy.
 
@@ -31,7 +32,7 @@ from fxfuse.pattern import Pattern, Variant
 
 aten = torch.ops.aten
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
-REDUCTIONS = {1: "mean", 2: "sum"}  # aten's reduction enum
+REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # aten's reduction enum
 
 
 def _ce(logits, target, ignore_index, label_smoothing):
@@ -162,7 +163,7 @@ def check(m) -> str | None:
     if t.dtype != torch.int64:
         return f"targets are {t.dtype}, not class indices (int64)"
     if m.scalars.get("reduction") not in REDUCTIONS:
-        return "reduction='none' is not fused (the op returns a scalar)"
+        return f"reduction enum {m.scalars.get('reduction')!r} not known"
     if w.dim() != 2 or (b is not None and b.dim() != 1):
         return f"weight {list(w.shape)} is not [V, H]"
     logits = val(m.anchor.args[0])
@@ -216,6 +217,8 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
         x, w, b, target, int(s["ignore_index"]), REDUCTIONS[s["reduction"]], float(s["label_smoothing"]),
         *_transform(s), opts.loss_head_algorithm(), opts.eager_rounding,
         m.variant.consts.get("fp32_transform", False)))
+    if REDUCTIONS[s["reduction"]] == "none":  # row losses [N] in the target's shape ([B, T]: class dim second)
+        loss = call(aten.view_as.default, (loss, _target(m)))
     out_dtype = val(m.anchor).dtype
     return loss if out_dtype == torch.float32 else call(aten.to.dtype, (loss, out_dtype))
 

@@ -155,6 +155,24 @@ def test_frozen_input(algo, frozen):
         assert _rel(g, r) < 1e-5
 
 
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("ls,cap", [(0.0, 0.0), (0.1, 5.0)], ids=["plain", "smoothed_softcap"])
+def test_reduction_none_rows_and_their_gradients(algo, ls, cap):
+    """reduction "none": [N] fp32 row losses, 0 on ignored rows, as eager's; a per-row upstream
+    gradient (a weighted SFT loss) reaches x, W and b through the lean backward, whichever algorithm
+    is asked for (the fast one forms gradients for one scalar loss)."""
+    x, w, b, t = _inputs(37, 24, 211, torch.float32, True, logit_std=3.0)
+    args = (-100, "none", ls, cap, 1.0)
+    rows, ref = OP(x, w, b, t, *args, algo), EAGER(x, w, b, t, *args)
+    assert rows.shape == (37,) and rows.dtype == torch.float32 and _rel(rows, ref) < 1e-5
+    assert (t == -100).any() and rows[t == -100].abs().max() == 0
+    weights = torch.rand(37, generator=torch.Generator().manual_seed(1))
+    got = _fwd_bwd(lambda *a: (OP(*a, algo) * weights).sum(), x, w, b, t, *args)
+    want = _fwd_bwd(lambda *a: (EAGER(*a) * weights).sum(), x, w, b, t, *args)
+    for name, g, e in zip(["loss", "dx", "dw", "db"], got, want):
+        assert _rel(g, e) < 1e-5, name
+
+
 def test_bwd_skips_unneeded_grads():
     x, w, b, t = _inputs(37, 24, 211, torch.float32, True)
     rows, lse = torch.ops.fxfuse.linear_cross_entropy_fwd(x, w, b, t, -100, 0.0, 0.0, 1.0, False, False)
@@ -195,7 +213,7 @@ def test_low_precision_vs_fp64(monkeypatch, dtype, chunks, algo, rounding):
 def test_rejects_bad_reduction_and_algorithm():
     x, w, b, t = _inputs(4, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="reduction"):
-        OP(x, w, b, t, -100, "none", 0.0, 0.0, 1.0)
+        OP(x, w, b, t, -100, "batchmean", 0.0, 0.0, 1.0)
     with pytest.raises(ValueError, match="algorithm"):
         OP(x, w, b, t, -100, "mean", 0.0, 0.0, 1.0, "fastest")
 

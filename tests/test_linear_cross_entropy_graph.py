@@ -221,6 +221,44 @@ def test_sigmoid_capped_head_modded_nanogpt(dtype):
         assert rel_err(f, e) < tol, (name, rel_err(f, e))
 
 
+class PerTokenLoss(torch.nn.Module):
+    """Heads whose cross_entropy keeps per-token losses (reduction="none"): litgpt's chunked lm_head
+    (one head per 4-token chunk, losses concatenated, summed over the unmasked count), an SFT loss
+    weighted per token, and class dim second ([B, V, T] logits, [B, T] losses)."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling, self.lin = spelling, torch.nn.Linear(24, 70, bias=False)
+
+    def forward(self, x, labels, weights):
+        F = torch.nn.functional
+        if self.spelling == "litgpt_chunked":
+            chunks = [self.lin(xc) for xc in x.split(4, dim=1)]
+            losses = [F.cross_entropy(z.reshape(-1, z.size(-1)), t.reshape(-1), reduction="none")
+                      for z, t in zip(chunks, labels.split(4, dim=1))]
+            count = (labels != -100).sum()
+            return torch.cat(losses).sum() / count.maximum(torch.ones_like(count))
+        if self.spelling == "weighted":
+            rows = F.cross_entropy(self.lin(x).float().view(-1, 70), labels.view(-1), reduction="none")
+            return (rows * weights.view(-1)).sum() / weights.sum()
+        rows = F.cross_entropy(self.lin(x).float().transpose(1, 2), labels, reduction="none", label_smoothing=0.1)
+        return (rows * weights).mean()
+
+
+@pytest.mark.parametrize("spelling,sites,inner", [("litgpt_chunked", 2, "aot_eager"), ("weighted", 1, "aot_eager"),
+                                                 ("class_dim_second", 1, "aot_eager"), ("class_dim_second", 1, "inductor")])
+def test_per_token_losses_fuse(spelling, sites, inner):
+    """reduction="none" fuses: each head is one site, the row losses [N] (or [B, T]) keep their
+    shape, 0 on ignored tokens, and loss and every gradient equal eager's."""
+    torch.manual_seed(0)
+    labels = torch.randint(0, 70, (3, 8))
+    labels[0, :3] = -100
+    inputs = {"x": torch.randn(3, 8, 24), "labels": labels, "weights": torch.rand(3, 8)}
+    loss_err, grad_err, report, _ = compiled_parity(PerTokenLoss(spelling), inputs, inner=inner, loss_fn=lambda out: out)
+    assert report.counts()["linear_cross_entropy"] == sites and not report.unmatched, str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
 @pytest.mark.parametrize("cut", ["prefix", "offset", "returned"])
 def test_padded_vocab_slice(cut):
     """logits[..., :V] of an lm_head padded past V rows fuses as the head over its first V rows (loss
