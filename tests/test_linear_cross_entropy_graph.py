@@ -221,10 +221,11 @@ def test_sigmoid_capped_head_modded_nanogpt(dtype):
         assert rel_err(f, e) < tol, (name, rel_err(f, e))
 
 
-class PerTokenLoss(torch.nn.Module):
-    """Heads whose cross_entropy keeps per-token losses (reduction="none"): litgpt's chunked lm_head
-    (one head per 4-token chunk, losses concatenated, summed over the unmasked count), an SFT loss
-    weighted per token, and class dim second ([B, V, T] logits, [B, T] losses)."""
+class ChunkedAndPerTokenHeads(torch.nn.Module):
+    """Heads chunked over tokens or keeping per-token losses: torchtune's CEWithChunkedOutputLoss
+    (the output projection per 2-token chunk, each chunk's .float() sum loss added up, over the
+    unmasked count), litgpt's chunked lm_head (reduction="none" per 4-token chunk, losses
+    concatenated), an SFT loss weighted per token, class dim second ([B, V, T] logits, [B, T] losses)."""
 
     def __init__(self, spelling):
         super().__init__()
@@ -232,6 +233,12 @@ class PerTokenLoss(torch.nn.Module):
 
     def forward(self, x, labels, weights):
         F = torch.nn.functional
+        if self.spelling == "torchtune_chunked":
+            chunks = [self.lin(xc).reshape(-1, 70) for xc in x.chunk(4, dim=1)]
+            total = 0.0
+            for z, t in zip(chunks, [t.reshape(-1) for t in labels.chunk(4, dim=1)]):
+                total += F.cross_entropy(z.float(), t, ignore_index=-100, reduction="sum")
+            return total / (labels != -100).sum()
         if self.spelling == "litgpt_chunked":
             chunks = [self.lin(xc) for xc in x.split(4, dim=1)]
             losses = [F.cross_entropy(z.reshape(-1, z.size(-1)), t.reshape(-1), reduction="none")
@@ -245,16 +252,18 @@ class PerTokenLoss(torch.nn.Module):
         return (rows * weights).mean()
 
 
-@pytest.mark.parametrize("spelling,sites,inner", [("litgpt_chunked", 2, "aot_eager"), ("weighted", 1, "aot_eager"),
+@pytest.mark.parametrize("spelling,sites,inner", [("torchtune_chunked", 4, "aot_eager"),
+                                                 ("litgpt_chunked", 2, "aot_eager"), ("weighted", 1, "aot_eager"),
                                                  ("class_dim_second", 1, "aot_eager"), ("class_dim_second", 1, "inductor")])
-def test_per_token_losses_fuse(spelling, sites, inner):
-    """reduction="none" fuses: each head is one site, the row losses [N] (or [B, T]) keep their
-    shape, 0 on ignored tokens, and loss and every gradient equal eager's."""
+def test_chunked_and_per_token_heads_fuse(spelling, sites, inner):
+    """Each chunk's head is one site; reduction="none" fuses, its row losses [N] (or [B, T]) keep
+    their shape, 0 on ignored tokens; loss and every gradient equal eager's."""
     torch.manual_seed(0)
     labels = torch.randint(0, 70, (3, 8))
     labels[0, :3] = -100
     inputs = {"x": torch.randn(3, 8, 24), "labels": labels, "weights": torch.rand(3, 8)}
-    loss_err, grad_err, report, _ = compiled_parity(PerTokenLoss(spelling), inputs, inner=inner, loss_fn=lambda out: out)
+    loss_err, grad_err, report, _ = compiled_parity(ChunkedAndPerTokenHeads(spelling), inputs, inner=inner,
+                                                    loss_fn=lambda out: out)
     assert report.counts()["linear_cross_entropy"] == sites and not report.unmatched, str(report)
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
 
