@@ -66,7 +66,8 @@ def top_kernels(step, n: int) -> str:
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.device_time_total for e in events)
     events.sort(key=lambda e: -e.device_time_total)
-    return "\n".join(f"    {e.device_time_total / 1e3:8.2f} ms {100 * e.device_time_total / total:5.1f}%  {e.count:4d}x  "
+    share = lambda e: 100 * e.device_time_total / total  # noqa: E731
+    return "\n".join(f"    {e.device_time_total / 1e3:8.2f} ms {share(e):5.1f}%  {e.count:4d}x  "
                      f"{e.key[:90]}" for e in events[:n]) + f"\n    {total / 1e3:8.2f} ms in all"
 
 

@@ -31,8 +31,9 @@ runs the lean forward (one matmul).
 
 Lean design: chunk rows into passes of R tokens and the vocabulary into chunks of C columns. Forward
 computes each [R, C] logits chunk with one cuBLAS matmul (fp32 output, so no bf16 rounding of
-logits; in x's dtype under eager_rounding, so each logit rounds as eager's) and a Triton kernel folds it into a running (max, sum-exp, target logit, logit sum) per
-row: 1 matmul of x @ W.T in total. Backward recomputes each chunk (matmul 2) and a Triton kernel
+logits; in x's dtype under eager_rounding, so each logit rounds as eager's) and a Triton kernel
+folds it into a running (max, sum-exp, target logit, logit sum) per row: 1 matmul of x @ W.T in
+total. Backward recomputes each chunk (matmul 2) and a Triton kernel
 writes dzr in the input dtype into a group buffer of G >= C columns; per group, dx_pass +=
 dzr @ W_group (matmul 3, into an fp32 [R, H] accumulator; a wide G keeps its read-modify-writes
 few) and dW_group (+)= dzr.T @ x_pass (matmul 4, K = R tokens reduced in fp32 inside cuBLAS,
@@ -147,7 +148,8 @@ def _fwd_chunk(z, bias, target, state, n0, v0, ignore_index, softcap, scale, low
     _lce_fwd_chunk_kernel[(triton.cdiv(rows, block_n),)](
         z, b, target, state, n0, v0, rows, cols, target.shape[0], z.stride(0), scale, softcap,
         HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, ROUND=round_code(low, low is not None),
-        ROUND_OPS=round_code(low, low is not None and round_ops), RNE_BY_BITS=rne_by_bits(z.device), BLOCK_N=block_n, BLOCK=block, num_warps=_num_warps(block),
+        ROUND_OPS=round_code(low, low is not None and round_ops), RNE_BY_BITS=rne_by_bits(z.device),
+        BLOCK_N=block_n, BLOCK=block, num_warps=_num_warps(block),
     )
 
 
@@ -166,7 +168,8 @@ def _bwd_chunk(z, g, bias, target, lse, drow, n0, v0, ignore_index, smoothing, v
         z, g, b, target, lse, drow, n0, v0, rows, cols, z.stride(0), g.stride(0), ignore_index, scale,
         softcap, on_target, off_target,
         HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, ROUND=round_code(low, low is not None),
-        ROUND_OPS=round_code(low, low is not None and round_ops), RNE_BY_BITS=rne_by_bits(z.device), BLOCK_N=block_n, BLOCK=block, num_warps=_num_warps(block),
+        ROUND_OPS=round_code(low, low is not None and round_ops), RNE_BY_BITS=rne_by_bits(z.device),
+        BLOCK_N=block_n, BLOCK=block, num_warps=_num_warps(block),
     )
 
 

@@ -4,9 +4,10 @@ The fused op never materialises the [N, V] logits, their fp32 copy or their grad
 HF ``ForCausalLMLoss`` (``logits.float()``, ``view(-1, V)``), Gemma 2's softcap
 ``tanh(z / c) * c``, a logit scale (Cohere ``* s``, Granite ``/ s``), each with or without a bias,
 each before the ``.float()`` (HF) or after it (nanochat's fp32 softcap), modded-nanogpt's fp32
-``30 * sigmoid(z / k)`` (a shifted softcap), and class dim second (``[B, V, T]`` with ``[B, T]`` targets). The canonical view (fxfuse/canon.py)
-makes the rest the same graphs: ``x @ W.t()`` reads as ``F.linear`` (normalize.canonical_linear),
-and the casts to fp32 and [N, V] row merges on the logits' way into cross_entropy disappear, so
+``30 * sigmoid(z / k)`` (a shifted softcap), and class dim second (``[B, V, T]`` with ``[B, T]``
+targets). The canonical view (fxfuse/canon.py) makes the rest the same graphs: ``x @ W.t()``
+reads as ``F.linear`` (normalize.canonical_linear), and the casts to fp32 and [N, V] row merges on
+the logits' way into cross_entropy disappear, so
 torchtitan's ``flatten(0, 1).float()``, nanoGPT's uncast ``view(-1, V)`` and 2-D hidden states all
 match ``lce_hf`` (check then requires cross_entropy's input to be [N, V]).
 reduction ("none" too: per-token losses, as litgpt's chunked loss and masked or weighted SFT losses

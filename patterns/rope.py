@@ -7,8 +7,9 @@ one attention layer) into one ``fxfuse::rope`` call, which is one site. Spelling
     ``stack(-x[..., 1::2], x[..., ::2]).flatten(-2)``);
   - the same rotation written out on halves: ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``,
     cos / sin [..., D/2], the halves sliced or ``torch.chunk``-ed (gpt-oss; canonically the same
-    slices), nanochat's rotation by -angle ``cat(x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos)``, or the even / odd channels (DeepSeek V3's ``apply_rotary_pos_emb_interleave``:
-    interleaved pairs in, the halves layout out; lowered as that channel permutation of x, one
+    slices), nanochat's rotation by -angle ``cat(x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos)``,
+    or the even / odd channels (DeepSeek V3's ``apply_rotary_pos_emb_interleave``: interleaved
+    pairs in, the halves layout out; lowered as that channel permutation of x, one
     copy, then the halves rotation);
   - interleaved pairs: Meta / torchtitan ``view_as_complex(x.reshape(..., -1, 2)) * freqs_cis``, and
     gpt-fast's real form (``reshape(..., -1, 2)`` + ``stack``).

@@ -173,7 +173,8 @@ def test_bf16_uncast_head_within_twice_eager_error(layout, transform):
 
 
 @pytest.mark.parametrize("numerics", ["eager", "fp32"])
-@pytest.mark.parametrize("transform,variant", [("softcap", "lce_bias_fp32_softcap"), ("divide", "lce_bias_fp32_divided")])
+@pytest.mark.parametrize("transform,variant", [("softcap", "lce_bias_fp32_softcap"),
+                                               ("divide", "lce_bias_fp32_divided")])
 def test_bf16_head_cast_before_transform(numerics, transform, variant):
     """.float() before the softcap / divisor (nanochat): the transform runs in fp32, so
     numerics="eager" rounds only the lm_head's output and its gradient: loss and gradients equal
@@ -254,7 +255,8 @@ class ChunkedAndPerTokenHeads(torch.nn.Module):
 
 @pytest.mark.parametrize("spelling,sites,inner", [("torchtune_chunked", 4, "aot_eager"),
                                                  ("litgpt_chunked", 2, "aot_eager"), ("weighted", 1, "aot_eager"),
-                                                 ("class_dim_second", 1, "aot_eager"), ("class_dim_second", 1, "inductor")])
+                                                 ("class_dim_second", 1, "aot_eager"),
+                                                 ("class_dim_second", 1, "inductor")])
 def test_chunked_and_per_token_heads_fuse(spelling, sites, inner):
     """Each chunk's head is one site; reduction="none" fuses, its row losses [N] (or [B, T]) keep
     their shape, 0 on ignored tokens; loss and every gradient equal eager's."""
