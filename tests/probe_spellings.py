@@ -151,8 +151,10 @@ def main() -> int:
     import fxfuse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("ops", nargs="*", default=list(CASES), choices=list(CASES))
+    # no default list here: argparse checks a nargs="*" default against choices as one value
+    p.add_argument("ops", nargs="*", choices=list(CASES), help="default: all")
     args = p.parse_args()
+    args.ops = args.ops or list(CASES)
     missed = 0
     for op in args.ops:
         total = misses = 0
