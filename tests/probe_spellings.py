@@ -151,9 +151,11 @@ def main() -> int:
     import fxfuse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # no default list here: argparse checks a nargs="*" default against choices as one value
-    p.add_argument("ops", nargs="*", choices=list(CASES), help="default: all")
+    # choices checked here: argparse (3.11) checks an empty nargs="*" list against them as one value
+    p.add_argument("ops", nargs="*", help=f"of {', '.join(CASES)} (default: all)")
     args = p.parse_args()
+    if set(args.ops) - set(CASES):
+        p.error(f"unknown ops {sorted(set(args.ops) - set(CASES))}; choose from {list(CASES)}")
     args.ops = args.ops or list(CASES)
     missed = 0
     for op in args.ops:
