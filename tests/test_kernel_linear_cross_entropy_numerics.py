@@ -47,6 +47,41 @@ def test_eager_rounding_matches_eager(monkeypatch, dtype, algo, softcap, scale, 
         assert rel(g, e) < 2e-4, name
 
 
+class _TanhOneUnit(torch.autograd.Function):
+    """tanh one fp32 unit off (towards `towards`), its backward 1 - t^2 from that output: another
+    correct fp32 tanh (the kernels' own, a CPU's vector library), as seen through eager's autograd."""
+
+    @staticmethod
+    def forward(ctx, u, towards):
+        t = torch.nextafter(torch.tanh(u), torch.full_like(u, towards))
+        ctx.save_for_backward(t)
+        return t
+
+    @staticmethod
+    def backward(ctx, g):
+        (t,) = ctx.saved_tensors
+        return g * (1 - t * t), None
+
+
+def _tanh_unit_spread(eager, x, w, b, t, ignore_index, reduction, smoothing, softcap, scale):
+    """Per tensor, how far eager's own loss and gradients move when its fp32 tanh is one unit off
+    (either way). Near saturation 1 - t^2 loses most of its bits, so one unit of t can move a
+    rounded logits gradient by one bf16 / fp16 unit: two correct tanh implementations differ by that."""
+    if not softcap:
+        return [0.0] * len(eager)
+
+    def head(towards):
+        def f(x, w, b, t, *_):
+            zf = torch.nn.functional.linear(x, w, b).float() * scale
+            zf = softcap * _TanhOneUnit.apply(zf / softcap, towards)
+            return torch.nn.functional.cross_entropy(zf, t, ignore_index=ignore_index, reduction=reduction,
+                                                     label_smoothing=smoothing)
+        return f
+
+    runs = [fwd_bwd(head(towards), x, w, b, t) for towards in (0.0, 2.0)]
+    return [max(rel(r[i], e) for r in runs) for i, e in enumerate(eager)]
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("softcap,scale,std", [(30.0, 1.0, 40.0), (15.0, 0.3, 40.0), (0.0, 0.3, 4.0)],
@@ -57,11 +92,15 @@ def test_fp32_transform_rounding_matches_eager(monkeypatch, dtype, algo, softcap
     every gradient equal eager's; the every-op rounding of the cast-after spelling would not.
     lean's dx is an fp32 accumulation of gradient-group matmuls, not eager's low-precision matmul:
     here one pass and one group, its reference eager's rounded logits gradient @ W in one fp32
-    matmul (a flip of one bf16 unit from another summation order is ~1e-3 of max |dx|)."""
+    matmul (a flip of one bf16 unit from another summation order is ~1e-3 of max |dx|). The fused
+    kernels' fp32 tanh is not torch's: each tensor may differ from eager's by up to twice eager's own
+    change under a one-unit change of its tanh (_tanh_unit_spread; seen on one CPU: dx 2.85e-4, exactly
+    that change), or by 2e-4 where that is larger."""
     monkeypatch.setattr(lce_chunks, "_CHUNK_OVERRIDE", (64, 128, 512))
     x, w, b, t = inputs(37, 64, 300, dtype, True, logit_std=std)
     args = (-100, "mean", 0.1, softcap, scale)
     eager = fwd_bwd(lambda *a: EAGER(*a, fp32_transform=True), x, w, b, t, *args)
+    bounds = [max(2e-4, 2 * s) for s in _tanh_unit_spread(eager, x, w, b, t, *args)]
     if algo == "lean":
         z = torch.nn.functional.linear(x, w, b).requires_grad_()
         zf = z.float() * scale
@@ -70,9 +109,9 @@ def test_fp32_transform_rounding_matches_eager(monkeypatch, dtype, algo, softcap
         eager[1] = (dz.float() @ w.float()).to(dtype)
     got = fwd_bwd(lambda *a: OP(*a, algo, True, True), x, w, b, t, *args)
     every_op = fwd_bwd(lambda *a: OP(*a, algo, True, False), x, w, b, t, *args)
-    for name, g, e in zip(["loss", "dx", "dw", "db"], got, eager):
-        assert rel(g, e) < 2e-4, name
-    assert max(rel(g, e) for g, e in zip(every_op, eager)) > 2e-4  # the bound tells the two apart
+    for name, g, e, bound in zip(["loss", "dx", "dw", "db"], got, eager, bounds):
+        assert rel(g, e) < bound, name
+    assert any(rel(g, e) > bound for g, e, bound in zip(every_op, eager, bounds))  # the bound tells the two apart
 
 
 @pytest.mark.gpu
