@@ -138,18 +138,21 @@ class GraphMatcher:
             grown = bool(extra)
         return region
 
-    def _specialize(self, binds: dict, mapping: dict, pvn: dict) -> None:
+    def _specialize(self, binds: dict, mapping: dict, pvn: dict) -> dict:
         """A captured scalar that is a value in the graph (EDGE) whose traced value is a symbolic
         float or int (HF's eps under dynamic=True: an unspecialised Python float Dynamo made a graph
         input) becomes its value, with a guard: float() on the symbol records it in Dynamo's shape
         environment, so a call with another value recompiles instead of reusing this graph. Values
-        with no such hint (data-dependent, tensors) stay EDGE and the match is refused."""
+        with no such hint (data-dependent, tensors) stay EDGE and the match is refused. Returns the
+        graph node behind each captured scalar (for the refusal's reason)."""
+        sources = {}
         for sentinel in [k for k, v in binds.items() if v is EDGE]:
             for g, p in mapping.items():
                 node = self.nodes[g]
                 for i, lit in enumerate(pvn[p].lits):
                     if lit != sentinel or i >= len(node.args) or not isinstance(node.args[i], fx.Node):
                         continue
+                    sources[sentinel] = node.args[i]
                     value = node.args[i].meta.get("val")
                     try:
                         if isinstance(value, torch.SymFloat):
@@ -158,6 +161,7 @@ class GraphMatcher:
                             binds[sentinel] = int(value)
                     except Exception:  # noqa: BLE001 - data-dependent: no value to specialise on
                         pass
+        return sources
 
     def _match_at(self, pattern: Pattern, pg: PatternGraph, anchor: str):
         """(Match, None, region) on success; (None, reason, region) for a structural match that fails
@@ -194,16 +198,25 @@ class GraphMatcher:
                     "spans an activation-checkpoint boundary (part of it is recomputed in backward, part "
                     "is not); fusing would change what is recomputed")
                 continue
-            self._specialize(binds, mapping, pvn)
-            scalars = {s.name if isinstance(s, Free) else pg.scalars[s]: v for s, v in binds.items()}
-            computed = [k for k, v in scalars.items() if v is EDGE]
+            sources = self._specialize(binds, mapping, pvn)
+            computed = [(s, sources.get(s)) for s, v in binds.items() if v is EDGE]
             if computed:
-                first_reason = first_reason or (
-                    f"{computed[0]} is a value computed in the graph, not a constant (a Python float that "
-                    "dynamic=True turned into a graph input, say); the fused op needs it at compile time")
+                first_reason = first_reason or _computed_reason(*computed[0], pg)
                 continue
+            scalars = {s.name if isinstance(s, Free) else pg.scalars[s]: v for s, v in binds.items()}
             return Match(pattern, pg.variant, out, inputs, scalars, region, escapes), None, region
         return None, first_reason, first_region
+
+
+def _computed_reason(sentinel, node: fx.Node | None, pg: PatternGraph) -> str:
+    """Why a captured scalar bound to a value of the graph cannot be passed to the fused op."""
+    name = sentinel.name if isinstance(sentinel, Free) else pg.scalars[sentinel]
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if isinstance(v, torch.Tensor):
+        return (f"{name} is a tensor of shape {tuple(v.shape)} computed in the graph ({node.name}: a learned "
+                "or per-element scale, say), not a constant; the fused op takes a number known at compile time")
+    return (f"{name} is a value computed in the graph, not a constant (a Python float that "
+            "dynamic=True turned into a graph input, say); the fused op needs it at compile time")
 
 
 def _feasible(g: VNode, p: VNode, g_is_anchor: bool, p_is_anchor: bool) -> bool:
