@@ -115,6 +115,49 @@ def _inverse_root(n: fx.Node) -> bool:
         u.target == aten.reciprocal.default or (u.target == aten.div.Tensor and u.args[1] is n) for u in n.users)
 
 
+def _miss_reason(n: fx.Node) -> str | None:
+    """A near miss that is no RMSNorm: the inverse root of a sum of squares (plus eps) with no mean."""
+    aten = torch.ops.aten
+    v = n.args[0] if n.target != aten.rms_norm.default else None
+    if isinstance(v, fx.Node) and v.target == aten.add.Tensor:
+        v = next((a for a in v.args if isinstance(a, fx.Node)), None)
+    if isinstance(v, fx.Node) and v.target == aten.sum.dim_IntList:
+        return ("an L2 norm (the root of the sum of squares, not of their mean: nGPT-style q / k, "
+                "linear attention's l2norm), not an RMSNorm")
+    if isinstance(v, fx.Node) and v.target == aten.mean.dim and not _scales_its_source(n, v.args[0]):
+        return ("the inverse RMS of x is not multiplied into x (it scales another tensor: DeepSeek-V4's "
+                "hyper-connection mixes, say), so no normalized x is written to fuse away")
+    return None
+
+
+def _uncast(n):
+    while isinstance(n, fx.Node) and n.target in CASTS:
+        n = n.args[0]
+    return n
+
+
+def _scales_its_source(root: fx.Node, square: fx.Node) -> bool:
+    """Some product (or quotient, for a root) takes root (a cast or reciprocal of it) and the tensor whose
+    square was averaged (or a cast of it)."""
+    aten = torch.ops.aten
+    squares = (aten.square.default, aten.pow.Tensor_Scalar)
+    if not (isinstance(square, fx.Node) and (
+            square.target in squares or (square.target == aten.mul.Tensor and square.args[0] is square.args[1]))):
+        return True  # not a square we can follow: no claim
+    src = _uncast(square.args[0])
+    roots, users = {root}, list(root.users)
+    while users:
+        u = users.pop()
+        if u.target in CASTS or u.target == aten.reciprocal.default:
+            roots.add(u)
+            users += list(u.users)
+        elif u.target == aten.mul.Tensor and any(_uncast(a) is src for a in u.args if a not in roots):
+            return True
+        elif u.target == aten.div.Tensor and u.args[1] in roots and _uncast(u.args[0]) is src:
+            return True
+    return False
+
+
 _bf, _f32 = torch.bfloat16, torch.float32
 PATTERN = Pattern(
     name="rms_norm",
@@ -134,4 +177,5 @@ PATTERN = Pattern(
     recompute=True,
     is_candidate=lambda n: n.target == torch.ops.aten.rms_norm.default or (
         _inverse_root(n) and not _centred(n)),
+    miss_reason=_miss_reason,
 )

@@ -162,6 +162,36 @@ def test_near_miss_without_rsqrt_is_reported(inverse):
     assert "also used outside" in site.reason, site.reason
 
 
+@pytest.mark.parametrize("inverse", ["rsqrt", "div_sqrt"])
+def test_l2_norm_is_reported_as_no_rms_norm(inverse):
+    """The root of a sum of squares (nGPT-style q / k norms, linear attention's l2norm) is an L2 norm:
+    a candidate that stays unfused, and the report says why."""
+    def norm(x):
+        s = (x * x).sum(-1, keepdim=True) + 1e-6
+        return x * torch.rsqrt(s) if inverse == "rsqrt" else x / torch.sqrt(s)
+
+    report = fxfuse.explain(norm, torch.randn(4, 16))
+    assert report.counts()["rms_norm"] == 0
+    (site,) = [s for s in report.unmatched if s.pattern == "rms_norm"]
+    assert site.reason.startswith("an L2 norm"), site.reason
+
+
+def test_inverse_rms_scaling_another_tensor_is_reported():
+    """DeepSeek-V4 / HY-V4 hyper-connections multiply a matmul of x by x's inverse RMS: there is no
+    normalized x to fuse, and the report says so; x * rsqrt(...) next to it still fuses."""
+    fn = torch.randn(4, 16)
+
+    def mixes(x):
+        inv = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (F.linear(x, fn) * inv).sum() + normed.sum()
+
+    report = fxfuse.explain(mixes, torch.randn(3, 16))
+    assert report.counts()["rms_norm"] == 1
+    (site,) = [s for s in report.unmatched if s.pattern == "rms_norm"]
+    assert site.reason.startswith("the inverse RMS of x is not multiplied into x"), site.reason
+
+
 def test_eps_computed_in_the_graph_is_specialised_with_a_guard():
     """Under dynamic=True a Python float argument becomes a graph input: eps is then a value in the
     graph, not a literal (it once matched as if absent and was lowered with the default eps). It is
