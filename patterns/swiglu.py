@@ -182,7 +182,7 @@ def _is_candidate(n: fx.Node) -> bool:
         return logistic_denominator(n.args[1]) is n.args[0] and any(
             u.target == torch.ops.aten.mul.Tensor for u in n.users)
     return n.target == torch.ops.aten.sigmoid.default and (
-        any(n.args[0] in u.args for u in muls) or _scaled_self_gate(n))
+        any(n.args[0] in u.args for u in muls) or _scaled_self_gate(n) or _transformed_self_gate(n))
 
 
 def _relu_gate(n: fx.Node) -> bool:
@@ -205,10 +205,28 @@ def _scaled_self_gate(n: fx.Node) -> bool:
     return len(xs) == 1 and any(xs[0] in u.args for u in n.users if u.target == torch.ops.aten.mul.Tensor)
 
 
+def _transformed_self_gate(n: fx.Node, hops: int = 3) -> bool:
+    """sigmoid(x) multiplied by a function of x a few elementwise ops away (Inkling's softcapped SwiGLU:
+    ``c * tanh(gate / c) * sigmoid(gate)``), not by x itself."""
+    x = n.args[0]
+    for u in n.users:
+        if u.target != torch.ops.aten.mul.Tensor or x in u.args:
+            continue
+        frontier = [a for a in u.args if isinstance(a, fx.Node) and a is not n]
+        for _ in range(hops):
+            frontier = [a for f in frontier if f.op == "call_function" for a in f.all_input_nodes]
+            if x in frontier:
+                return True
+    return False
+
+
 def _miss_reason(n: fx.Node) -> str | None:
     if n.target == torch.ops.aten.sigmoid.default and _scaled_self_gate(n):
         return ("gate * sigmoid(alpha * gate) not in gpt-oss's clamped form (gate.clamp(max=limit), "
                 "up.clamp(-limit, limit), (up + 1) * glu), the only spelling the fused kernel computes")
+    if n.target == torch.ops.aten.sigmoid.default and _transformed_self_gate(n):
+        return ("sigmoid(gate) times a function of gate other than gate itself (a softcapped SwiGLU: "
+                "c * tanh(gate / c) * sigmoid(gate)); no fused kernel computes that gate")
     return None
 
 

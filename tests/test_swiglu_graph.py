@@ -242,6 +242,19 @@ def test_unclamped_scaled_gate_is_reported():
     assert "gpt-oss's clamped form" in site.reason, site.reason
 
 
+def test_softcapped_gate_is_reported():
+    """Inkling's softcapped SwiGLU, c * tanh(gate / c) * sigmoid(gate) * c' * tanh(up / c'), is no
+    spelling a fused kernel computes: reported unmatched with the reason, not passed over silently."""
+    def mlp(gate, up):
+        gate, up = gate.float(), up.float()
+        return (torch.tanh(gate / 20.0) * 20.0 * torch.sigmoid(gate) * (torch.tanh(up / 30.0) * 30.0)).sum()
+
+    report = fxfuse.explain(mlp, torch.randn(3, 16), torch.randn(3, 16))
+    assert report.counts()["swiglu"] == 0
+    (site,) = [s for s in report.unmatched if s.pattern == "swiglu"]
+    assert "softcapped SwiGLU" in site.reason, site.reason
+
+
 def joint_graphs(model: nn.Module, inputs: dict, loss_fn=lambda out: out.loss):
     """(fused fxfuse calls in the rewritten graph as (op name, args after the input), backward graph's
     op names) of one fwd+bwd through fxfuse's rewrite and AOTAutograd."""
