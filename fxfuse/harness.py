@@ -42,9 +42,17 @@ def _names(m: nn.Module) -> set[str]:
 
 def is_rms_norm(m: nn.Module) -> bool:
     """nn.RMSNorm and *RMSNorm classes; Llama 4's weightless q/k ``L2Norm`` (x * rsqrt(mean(x^2) + eps));
-    gated ones (*RMSNormGated: Qwen3-Next's and Qwen3.5's linear attention, rms_norm(x) * silu(gate))."""
+    gated ones (*RMSNormGated: Qwen3-Next's and Qwen3.5's linear attention, rms_norm(x) * silu(gate));
+    Ergo's ExpertNorm (F.rms_norm, then each token's expert's weight).
+    A wrapper around one (AXK2's GatedRMSNorm: its norm, then a sigmoid gate of a low-rank MLP) is not
+    a site of its own."""
+    return _rms_norm_class(m) and not any(_rms_norm_class(c) for c in m.children())
+
+
+def _rms_norm_class(m: nn.Module) -> bool:
     name = type(m).__name__.lower()
-    return isinstance(m, nn.RMSNorm) or name.endswith(("rmsnorm", "rmsnormgated")) or name == "llama4textl2norm"
+    return (isinstance(m, nn.RMSNorm) or name.endswith(("rmsnorm", "rmsnormgated"))
+            or name in ("llama4textl2norm", "ergoexpertnorm"))
 
 
 def is_gated_mlp(m: nn.Module) -> bool:
@@ -63,12 +71,14 @@ def is_attention(m: nn.Module) -> bool:
     """A softmax-attention module (a RoPE site in a rotary model), DeepSeek's MLA (kv_a_proj_with_mqa)
     too, and a layer that reuses an earlier layer's keys (Gemma 3n: q_proj and o_proj, no k_proj;
     it still rotates its queries), one with a joint key-value projection (JetMoE's kv_proj, its queries
-    from attention experts). MiniMax's lightning attention layers (linear attention: a qkv_proj, no
-    rotation) are not."""
+    from attention experts), and DeepSeek sparse attention's indexer (wq_b, wk: it rotates its own
+    queries and keys to score tokens). Linear attention is not (no rotation): MiniMax's lightning
+    layers (a qkv_proj), delta-rule layers (Bailing's DeltaAttention: q_proj, k_proj and a causal conv1d)."""
     names = _names(m)
-    if "lightning" in type(m).__name__.lower():
+    if "lightning" in type(m).__name__.lower() or "conv1d" in names:
         return False
     return ({"q_proj", "k_proj"} <= names or {"q_proj", "o_proj"} <= names or {"wq", "wk"} <= names
+            or {"wq_b", "wk"} <= names
             or bool(names & {"query_key_value", "qkv_proj", "wqkv", "kv_a_proj_with_mqa", "kv_proj"}))
 
 
@@ -82,8 +92,16 @@ def expected_sites(model: nn.Module, inputs: dict, has_loss_head: bool) -> dict[
     calls = {p: 0 for p in PATTERN_NAMES}
     rope = uses_rope(model)
     tests = {"rms_norm": is_rms_norm, "swiglu": is_gated_mlp, "rope": lambda m: rope and is_attention(m)}
-    hooks = [mod.register_forward_hook(lambda *_, p=p: calls.__setitem__(p, calls[p] + 1))
-             for mod in model.modules() for p, test in tests.items() if test(mod)]
+
+    def count(p):
+        def hook(mod, args, out):
+            # an RMSNorm class returning only the inverse RMS [..., 1] (HY-V4's UnweightedRMSNorm, which
+            # scales a matmul of x) writes no normalized x: no site
+            if p != "rms_norm" or not (args and isinstance(out, torch.Tensor)) or out.shape == args[0].shape:
+                calls[p] += 1
+        return hook
+
+    hooks = [mod.register_forward_hook(count(p)) for mod in model.modules() for p, test in tests.items() if test(mod)]
     try:
         with torch.no_grad():
             model(**inputs)

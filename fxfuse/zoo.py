@@ -60,6 +60,13 @@ HF_ZOO: dict[str, dict] = {
     # site) then a full attention layer, linear-attention heads at TINY's scale
     "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 8,
                      "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4},
+    # AXK2: MLA with DeepSeek sparse attention (an indexer that rotates its own q / k: a second RoPE
+    # site per layer) and a sigmoid-gated wrapper around some of its RMSNorms
+    "axk2": MLA_TINY,
+    # Bailing hybrid: a delta-rule linear attention layer (no rotation; its q / k l2norm is no RMSNorm)
+    # then an MLA layer (DeepSeek's interleaved pairs written out on even / odd slices)
+    "bailing_hybrid": {"layer_group_size": 2, **{k: MLA_TINY[k] for k in (
+        "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank", "num_key_value_heads")}},
 }
 
 # (architecture, pattern) -> why the site is not fused; the harness records these as gaps

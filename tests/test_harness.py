@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fxfuse.harness import (FP32_TOL, as_accurate_as_eager, fp64_run, fp64_verdict, grad_errors, is_attention,
-                            is_gated_mlp, is_rms_norm, rel_err)
+from fxfuse.harness import (FP32_TOL, as_accurate_as_eager, expected_sites, fp64_run, fp64_verdict, grad_errors,
+                            is_attention, is_gated_mlp, is_rms_norm, rel_err)
 
 
 def _noisy(exact: torch.Tensor, rel: float, seed: int) -> torch.Tensor:
@@ -106,6 +106,38 @@ def _module(cls_name: str, children=(), params=(), **attrs) -> nn.Module:
     (_module("MambaRMSNormGated", params=["weight"]), True, True, False),  # silu, no attribute
     (_module("KimiRMSNormGated", params=["weight"], activation="sigmoid"), True, False, False),  # a GLU: no site
     (_module("LlamaRMSNorm", params=["weight"]), True, False, False),
+    (_module("ErgoExpertNorm", params=["weight"]), True, False, False),  # F.rms_norm, then the expert's weight
+    (_module("BailingHybridDeltaAttention", ["q_proj", "k_proj", "v_proj", "conv1d", "o_proj"]), False, False, False),
+    (_module("AXK2Indexer", ["wq_b", "wk", "k_norm", "weights_proj"]), False, False, True),  # rotates its q, k
 ])
 def test_site_rules_by_name(mod, rms, gated, attention):
     assert (is_rms_norm(mod), is_gated_mlp(mod), is_attention(mod)) == (rms, gated, attention)
+
+
+class HyUnweightedRMSNorm(nn.Module):
+    """HY-V4's: returns only the inverse RMS [..., 1], which scales another tensor."""
+
+    def forward(self, x):
+        return torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+
+
+class TwoNorms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(8)
+        self.inverse = HyUnweightedRMSNorm()
+
+    def forward(self, x):
+        return self.norm(x) * self.inverse(x)
+
+
+def test_an_rms_norm_class_returning_the_inverse_rms_is_no_site():
+    assert is_rms_norm(TwoNorms().inverse)  # by its class name: only its output tells
+    assert expected_sites(TwoNorms(), {"x": torch.randn(2, 8)}, False)["rms_norm"] == 1
+
+
+def test_a_wrapper_around_an_rms_norm_is_not_a_site_of_its_own():
+    """AXK2's GatedRMSNorm holds an RMSNorm and gates its output: one site (the inner norm), not two."""
+    wrapper = _module("AXK2GatedRMSNorm")
+    wrapper.add_module("norm", _module("AXK2RMSNorm", params=["weight"]))
+    assert not is_rms_norm(wrapper) and is_rms_norm(wrapper.norm)
