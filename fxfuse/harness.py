@@ -59,12 +59,20 @@ def is_gated_mlp(m: nn.Module) -> bool:
     """act(gate) * up modules: HF gate_proj/up_proj, fused gate_up_proj (Phi-3, MoE experts),
     Meta / gpt-fast w1/w3, DBRX's experts w1/v1; Gemma 4's decoder layer (act(per_layer_input_gate(h)) * per_layer_input);
     JetMoE's MoE (input_linear to both halves, its activation; its attention experts have no activation);
-    a gated RMSNorm with a SiLU gate (silu(gate) * normed x; Kimi Linear's sigmoid gate is no site)."""
+    a gated RMSNorm with a SiLU gate (silu(gate) * normed x; Kimi Linear's sigmoid gate is no site);
+    xLSTM's proj_up_gate / proj_up; ModernBERT's Wi packing both halves (twice Wo's input width)."""
     names = _names(m)
     return ({"gate_proj", "up_proj"} <= names or "gate_up_proj" in names or {"w1", "w3"} <= names
-            or {"w1", "v1"} <= names or "per_layer_input_gate" in names
-            or {"input_linear", "output_linear", "activation"} <= names
+            or {"w1", "v1"} <= names or "per_layer_input_gate" in names or {"proj_up_gate", "proj_up"} <= names
+            or {"input_linear", "output_linear", "activation"} <= names or _packed_in_out(m)
             or (type(m).__name__.lower().endswith("rmsnormgated") and getattr(m, "activation", "silu") == "silu"))
+
+
+def _packed_in_out(m: nn.Module) -> bool:
+    """Linear children Wi and Wo (any case) with Wi twice as wide as Wo's input: gate and up in one."""
+    kids = {n.lower(): c for n, c in m.named_children()}
+    wi, wo = kids.get("wi"), kids.get("wo")
+    return isinstance(wi, nn.Linear) and isinstance(wo, nn.Linear) and wi.out_features == 2 * wo.in_features
 
 
 def is_attention(m: nn.Module) -> bool:
@@ -72,13 +80,14 @@ def is_attention(m: nn.Module) -> bool:
     too, and a layer that reuses an earlier layer's keys (Gemma 3n: q_proj and o_proj, no k_proj;
     it still rotates its queries), one with a joint key-value projection (JetMoE's kv_proj, its queries
     from attention experts), and DeepSeek sparse attention's indexer (wq_b, wk: it rotates its own
-    queries and keys to score tokens). Linear attention is not (no rotation): MiniMax's lightning
+    queries and keys to score tokens), one whose queries come with their gate (MiniCPM5-MoE's
+    q_gate_proj). Linear attention is not (no rotation): MiniMax's lightning
     layers (a qkv_proj), delta-rule layers (Bailing's DeltaAttention: q_proj, k_proj and a causal conv1d)."""
     names = _names(m)
     if "lightning" in type(m).__name__.lower() or "conv1d" in names:
         return False
     return ({"q_proj", "k_proj"} <= names or {"q_proj", "o_proj"} <= names or {"wq", "wk"} <= names
-            or {"wq_b", "wk"} <= names
+            or {"wq_b", "wk"} <= names or {"q_gate_proj", "k_proj"} <= names
             or bool(names & {"query_key_value", "qkv_proj", "wqkv", "kv_a_proj_with_mqa", "kv_proj"}))
 
 

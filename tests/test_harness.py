@@ -109,6 +109,8 @@ def _module(cls_name: str, children=(), params=(), **attrs) -> nn.Module:
     (_module("ErgoExpertNorm", params=["weight"]), True, False, False),  # F.rms_norm, then the expert's weight
     (_module("BailingHybridDeltaAttention", ["q_proj", "k_proj", "v_proj", "conv1d", "o_proj"]), False, False, False),
     (_module("AXK2Indexer", ["wq_b", "wk", "k_norm", "weights_proj"]), False, False, True),  # rotates its q, k
+    (_module("MiniCPM5MoeAttention", ["q_gate_proj", "k_proj", "v_proj", "o_proj"]), False, False, True),
+    (_module("xLSTMFeedForward", ["proj_up_gate", "proj_up", "proj_down", "act_fn"]), False, True, False),
 ])
 def test_site_rules_by_name(mod, rms, gated, attention):
     assert (is_rms_norm(mod), is_gated_mlp(mod), is_attention(mod)) == (rms, gated, attention)
@@ -134,6 +136,14 @@ class TwoNorms(nn.Module):
 def test_an_rms_norm_class_returning_the_inverse_rms_is_no_site():
     assert is_rms_norm(TwoNorms().inverse)  # by its class name: only its output tells
     assert expected_sites(TwoNorms(), {"x": torch.randn(2, 8)}, False)["rms_norm"] == 1
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_packed_wi_wo_is_a_gated_mlp_only_when_wi_holds_both_halves(packed):
+    """ModernBERT's Wi packs gate and up (twice Wo's input); T5's wi / wo is a plain MLP."""
+    mlp = _module("ModernBertDecoderMLP")
+    mlp.Wi, mlp.Wo = nn.Linear(8, 32 if packed else 16), nn.Linear(16, 8)
+    assert is_gated_mlp(mlp) == packed
 
 
 def test_a_wrapper_around_an_rms_norm_is_not_a_site_of_its_own():
