@@ -98,10 +98,13 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
 def _centred(rsqrt: fx.Node, hops: int = 5) -> bool:
     """A subtraction or var/std a few ops upstream of the rsqrt: a LayerNorm (Cohere writes its own),
     not an RMSNorm candidate."""
+    aten = torch.ops.aten
+    centring = {aten.sub.Tensor, aten.var.correction, aten.var.dim, aten.var_mean.correction, aten.var_mean.dim,
+                aten.std.correction, aten.std.dim}
     frontier = [rsqrt]
     for _ in range(hops):
         frontier = [a for n in frontier for a in n.all_input_nodes]
-        if any(a.target in (torch.ops.aten.sub.Tensor, torch.ops.aten.var.correction) for a in frontier):
+        if any(a.target in centring for a in frontier):
             return True
     return False
 

@@ -176,6 +176,21 @@ def test_l2_norm_is_reported_as_no_rms_norm(inverse):
     assert site.reason.startswith("an L2 norm"), site.reason
 
 
+@pytest.mark.parametrize("variance", ["var_biased", "var_correction"])
+def test_layer_norm_written_out_is_no_candidate(variance):
+    """xLSTM's multi-head LayerNorm, ``(x - mean) * rsqrt(x.var(unbiased=False) + eps)``, is a LayerNorm:
+    not an RMSNorm candidate, so not reported as a near miss either. (Written as the mean of the centred
+    square, it is an RMSNorm of x - mean, and fuses as one.)"""
+    def ln(x):
+        xc = x - x.mean(-1, keepdim=True)
+        v = {"var_biased": lambda: x.var(dim=-1, keepdim=True, unbiased=False),
+             "var_correction": lambda: torch.var(x, dim=-1, keepdim=True, correction=0)}[variance]()
+        return (xc * torch.rsqrt(v + 1e-5)).sum()
+
+    report = fxfuse.explain(ln, torch.randn(4, 16))
+    assert report.counts()["rms_norm"] == 0 and not [s for s in report.unmatched if s.pattern == "rms_norm"]
+
+
 def test_inverse_rms_scaling_another_tensor_is_reported():
     """DeepSeek-V4 / HY-V4 hyper-connections multiply a matmul of x by x's inverse RMS: there is no
     normalized x to fuse, and the report says so; x * rsqrt(...) next to it still fuses."""
