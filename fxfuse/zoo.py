@@ -161,8 +161,19 @@ def summary(r: Result) -> str:
     return "\n".join(lines)
 
 
+def _override(text: str) -> tuple[str, object]:
+    """KEY=VALUE, the value read as JSON where it parses (8, 0.5, true, [..]), else as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def check_cmd(args) -> int:
-    r = check_hf(args.model, bf16_steps=0 if args.no_train else 20, inner=args.inner)
+    r = check_hf(args.model, bf16_steps=0 if args.no_train else 20, inner=args.inner, **dict(args.set))
     print(json.dumps(r.to_dict(), indent=2) if args.json else summary(r))
     return 0 if r.passed or (args.no_train and not r.gaps and not r.false_matches and r.parity_ok) else 1
 
@@ -173,6 +184,9 @@ def register(sub) -> None:
     c.add_argument("--no-train", action="store_true", help="skip the 20 bf16 AdamW steps")
     c.add_argument("--inner", choices=["aot_eager", "inductor", "eager"], default="aot_eager")
     c.add_argument("--json", action="store_true")
+    c.add_argument("--set", nargs="+", type=_override, default=[], metavar="KEY=VALUE",
+                   help="config overrides on top of the tiny config (a value is read as JSON where it parses), "
+                        "e.g. --set layer_group_size=2 q_lora_rank=16")
     c.set_defaults(fn=check_cmd)
 
 

@@ -49,6 +49,18 @@ def test_check_command_on_a_config_json(tmp_path, capsys):
     assert "fp32 parity" in out and "PASS" in out
 
 
+def test_check_command_takes_config_overrides(capsys):
+    """--set KEY=VALUE on top of the tiny config, values read as JSON where they parse (1), else as
+    strings (silu): one decoder layer, so one attention and one MLP site."""
+    from fxfuse.cli import main
+
+    assert main(["check", "qwen2", "--no-train", "--set", "num_hidden_layers=1", "hidden_act=silu"]) == 0
+    assert capsys.readouterr().out.startswith("qwen2: rms_norm 3/3, rope 1/1, swiglu 1/1, linear_cross_entropy 1/1")
+    with pytest.raises(SystemExit):
+        main(["check", "qwen2", "--no-train", "--set", "num_hidden_layers"])
+    assert "expected KEY=VALUE" in capsys.readouterr().err
+
+
 def test_harness_zeroes_config_randomness():
     """Functional dropout and router jitter read the config (no nn.Dropout module to zero): the
     harness sets them to 0, or eager and compiled runs draw different masks (XGLM, GPTBigCode,
