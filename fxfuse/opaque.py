@@ -1,8 +1,8 @@
 """Higher-order ops carried through the re-trace unchanged.
 
 A custom ``torch.autograd.Function`` (Dynamo's ``autograd_function_apply``), flex attention, selective
-activation checkpointing (``tag_activation_checkpoint`` with a ``context_fn`` policy) and
-``invoke_subgraph`` reach the backend as one call of a higher-order op on subgraphs. Re-tracing
+activation checkpointing (``tag_activation_checkpoint`` with a ``context_fn`` policy),
+``invoke_subgraph`` and ``associative_scan`` (HF Mamba's selective scan on CUDA) reach the backend as one call of a higher-order op on subgraphs. Re-tracing
 such a call with make_fx would run its forward and drop what makes it special: the Function's
 backward, the checkpoint policy. So the re-trace sees a stand-in instead, one call of the opaque op
 ``fxfuse::hop(tensors, sym_ints, key)``, whose fake impl runs the real higher-order op on fake inputs
@@ -24,7 +24,8 @@ import torch.utils._pytree as pytree
 
 # Higher-order ops whose call is functional (no input mutation, tensor or flat tuple of tensors
 # out) and whose fake run gives their outputs' metadata.
-KEPT = ("autograd_function_apply", "flex_attention", "tag_activation_checkpoint", "invoke_subgraph")
+KEPT = ("autograd_function_apply", "flex_attention", "tag_activation_checkpoint", "invoke_subgraph",
+        "associative_scan")  # Mamba's selective scan on CUDA (pointwise mode)
 
 _CALLS: dict[int, tuple] = {}  # key -> (op, args/kwargs spec, leaf kinds, constant leaves) during a re-trace
 _keys = itertools.count()

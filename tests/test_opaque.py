@@ -203,6 +203,39 @@ def test_hf_flex_attention_is_fused_around_it():
     assert rel_err(out, ref) < FP32_TOL
 
 
+def _scan_step(a0, b0, a1, b1):
+    """h_t = a_t * h_{t-1} + b_t as an associative combine of (a, b) pairs."""
+    return a0 * a1, a1 * b0 + b1
+
+
+class NormThenScan(nn.Module):
+    """An RMSNorm feeding a linear recurrence through torch's associative_scan higher-order op (what
+    HF Mamba / Falcon-Mamba / Jamba trace to on CUDA, where the scan's combine mode is pointwise;
+    on CPU the op is called directly, as the user-facing wrapper's generic mode traces through vmap)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(d) + 0.5)
+        self.lin = nn.Linear(d, 2 * d)
+
+    def forward(self, x):  # x [T, B, d]: the scan runs over dim 0
+        from torch._higher_order_ops.associative_scan import associative_scan_op
+
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+        a, b = torch.sigmoid(self.lin(h)).chunk(2, -1)
+        return associative_scan_op(_scan_step, (a.contiguous(), b.contiguous()), ())[1].pow(2).sum()
+
+
+def test_associative_scan_is_kept_and_the_rest_is_fused():
+    torch.manual_seed(0)
+    model = NormThenScan()
+    loss_err, grad_err, report, _ = compiled_parity(model, {"x": torch.randn(6, 2, 8)}, inner="aot_eager",
+                                                    loss_fn=lambda out: out)
+    assert report.counts()["rms_norm"] == 1 and not report.errors, str(report)
+    assert len(report.opaque) == 1 and "associative_scan" in report.opaque[0]
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
 def test_other_higher_order_ops_still_leave_the_graph_unfused():
     """torch.cond's branches are not in opaque.KEPT: the graph compiles unfused and says why."""
 
