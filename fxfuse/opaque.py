@@ -1,15 +1,16 @@
 """Higher-order ops carried through the re-trace unchanged.
 
-A custom ``torch.autograd.Function`` (Dynamo's ``autograd_function_apply``), flex attention, selective
-activation checkpointing (``tag_activation_checkpoint`` with a ``context_fn`` policy),
-``invoke_subgraph`` and ``associative_scan`` (HF Mamba's selective scan on CUDA) reach the backend as one call of a higher-order op on subgraphs. Re-tracing
-such a call with make_fx would run its forward and drop what makes it special: the Function's
-backward, the checkpoint policy. So the re-trace sees a stand-in instead, one call of the opaque op
-``fxfuse::hop(tensors, sym_ints, key)``, whose fake impl runs the real higher-order op on fake inputs
-for the output shapes. Right after the re-trace each stand-in is swapped back for the original call
-(its subgraphs copied onto the new graph module), so the matcher sees an op it does not know (a
-fused pattern never swallows it, and an intermediate it reads counts as escaping) and AOTAutograd
-lowers the call as it would have in Dynamo's own graph. Nothing inside the call is fused.
+A custom ``torch.autograd.Function`` (Dynamo's ``autograd_function_apply``), flex attention,
+selective activation checkpointing (``tag_activation_checkpoint`` with a ``context_fn`` policy),
+``invoke_subgraph`` and ``associative_scan`` (HF Mamba's selective scan on CUDA) reach the backend
+as one call of a higher-order op on subgraphs. Re-tracing such a call with make_fx would run its
+forward and drop what makes it special: the Function's backward, the checkpoint policy. So the
+re-trace sees a stand-in instead, one call of the opaque op ``fxfuse::hop(tensors, sym_ints, key)``,
+whose fake impl runs the real higher-order op on fake inputs for the output shapes. Right after the
+re-trace each stand-in is swapped back for the original call (its subgraphs copied onto the new
+graph module), so the matcher sees an op it does not know (a fused pattern never swallows it, and an
+intermediate it reads counts as escaping) and AOTAutograd lowers the call as it would have in
+Dynamo's own graph. Nothing inside the call is fused.
 
 Any other higher-order op still leaves the whole graph unfused (normalize.check_retraceable).
 """
