@@ -9,7 +9,7 @@ Rules (user spelling -> canonical label):
   - casts (``to``, ``_to_copy``, ``type_as``) -> ``cast`` with literal "f32" / "low" (bf16, fp16) /
     the dtype; a cast that does not change dtype or device disappears (its users see its input).
   - ``mul(a, a)``, ``square(a)`` -> ``pow(a, 2)``;  ``pow(a, -0.5)`` -> ``rsqrt(a)``;
-    ``div(a, sqrt(b))`` -> ``mul(a, rsqrt(b))`` (the sqrt has no other user).
+    ``div(a, sqrt(b))`` -> ``mul(a, rsqrt(b))`` (the sqrt has no other user); ``pow(b, 0.5)`` is a sqrt.
   - pieces of ``chunk`` / ``split`` / ``split_with_sizes`` (their getitems) and ``narrow`` -> the
     ``slice`` of the same range (``x.chunk(2, -1)[1]`` reads as ``x[..., D/2:]``); ``mul(a, -1)`` -> ``neg(a)``.
   - ``div(a, 1 + exp(-b))`` -> ``mul(a, sigmoid(b))`` (SiLU written from its definition);
@@ -214,7 +214,7 @@ def _canon(n: fx.Node, absorbed: set[fx.Node]):
         return str(aten.rsqrt.default), (EDGE,), [("0", n.args[0])], [n]
     if t == aten.div.Tensor and _is_divisor_sqrt(n.args[1]):
         return str(aten.mul.Tensor), (EDGE, EDGE), [("0", n.args[0]), ("1", n.args[1])], [n]
-    if t == aten.sqrt.default and _is_divisor_sqrt(n):
+    if _is_divisor_sqrt(n):
         return str(aten.rsqrt.default), (EDGE,), [("0", n.args[0])], [n]
     if t == aten.add.Tensor and _is_logistic_divisor(n):
         e = _logistic_exp(n)

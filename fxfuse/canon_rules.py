@@ -31,15 +31,21 @@ def _only_divisor(n: fx.Node) -> bool:
     return user.target == aten.div.Tensor and user.args[1] is n and user.args[0] is not n
 
 
+def is_sqrt(n) -> bool:
+    """n is sqrt(b): ``torch.sqrt(b)``, or ``b ** 0.5`` (aten's pow computes an exponent of 0.5 as
+    sqrt, on CPU and CUDA, so the two are the same values)."""
+    return isinstance(n, fx.Node) and (n.target == aten.sqrt.default or (
+        n.target == aten.pow.Tensor_Scalar and not isinstance(n.args[1], bool) and n.args[1] == 0.5))
+
+
 def _is_divisor_sqrt(n) -> bool:
     """n is sqrt(b) used only as the divisor of a div: the pair reads as mul(a, rsqrt(b))."""
-    return isinstance(n, fx.Node) and n.target == aten.sqrt.default and _only_divisor(n)
+    return is_sqrt(n) and _only_divisor(n)
 
 
 def _is_reciprocal_sqrt(n) -> bool:
     """n is sqrt(b) used only by a reciprocal: the pair reads as rsqrt(b)."""
-    return (isinstance(n, fx.Node) and n.target == aten.sqrt.default and len(n.users) == 1
-            and next(iter(n.users)).target == aten.reciprocal.default)
+    return is_sqrt(n) and len(n.users) == 1 and next(iter(n.users)).target == aten.reciprocal.default
 
 
 def _logistic_exp(n) -> fx.Node | None:

@@ -1,7 +1,7 @@
 """RMSNorm: ``y = x / sqrt(mean(x^2, -1) + eps) * w`` in the spellings real models use.
 
 Each function below is copied from how a model family writes it; the canonical view (fxfuse/canon.py)
-already unifies ``x * x`` / ``pow(2)``, ``mean`` / ``sum / N``, ``* rsqrt`` / ``/ sqrt`` / ``** -0.5``,
+already unifies ``x * x`` / ``pow(2)``, ``mean`` / ``sum / N``, ``* rsqrt`` / ``/ sqrt`` / ``** -0.5`` / ``/ ** 0.5``,
 and drops casts that do not change dtype, so an fp32 model matches the same functions. Per-head q/k
 norms on [B, T, H, D] are the same functions (the reduction is over the last dim only).
 """
@@ -12,6 +12,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxfuse.canon import CASTS, val
+from fxfuse.canon_rules import is_sqrt
 from fxfuse.pattern import Pattern, Variant
 
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
@@ -114,22 +115,71 @@ def _inverse_root(n: fx.Node) -> bool:
     aten = torch.ops.aten
     if n.target == aten.rsqrt.default:
         return True
-    return n.target == aten.sqrt.default and any(
+    return is_sqrt(n) and any(
         u.target == aten.reciprocal.default or (u.target == aten.div.Tensor and u.args[1] is n) for u in n.users)
 
 
 def _miss_reason(n: fx.Node) -> str | None:
-    """A near miss that is no RMSNorm: the inverse root of a sum of squares (plus eps) with no mean."""
+    """A near miss that is no RMSNorm: the inverse root of a sum of squares (plus eps) with no mean, a
+    norm that divides its own source with eps outside the root or as a floor (F.normalize), or an
+    inverse RMS that scales another tensor."""
     aten = torch.ops.aten
+    chain = _divided_root(n)
+    if chain and any(c.target == aten.clamp_min.default for c in chain):
+        return ("an L2 normalisation, F.normalize's x / max(||x||, eps) (x-transformers' RMSNorm scales it "
+                "by sqrt(D)): eps floors the norm instead of sitting under the root, so it equals an RMSNorm "
+                "only where ||x|| >= eps (a zero row gives 0, not NaN); no fused kernel computes that floor")
+    if chain and any(c.target == aten.add.Tensor for c in chain):
+        return ("eps added to the root, not under it: x / (rms(x) + eps) (the RMSNorm paper's reference code) "
+                "is another function than x * rsqrt(mean(x^2) + eps), the one the fused kernel computes")
+    if n.target == aten.linalg_vector_norm.default:
+        return _L2_REASON
     v = n.args[0] if n.target != aten.rms_norm.default else None
     if isinstance(v, fx.Node) and v.target == aten.add.Tensor:
         v = next((a for a in v.args if isinstance(a, fx.Node)), None)
     if isinstance(v, fx.Node) and v.target == aten.sum.dim_IntList:
-        return ("an L2 norm (the root of the sum of squares, not of their mean: nGPT-style q / k, "
-                "linear attention's l2norm), not an RMSNorm")
+        return _L2_REASON
     if isinstance(v, fx.Node) and v.target == aten.mean.dim and not _scales_its_source(n, v.args[0]):
         return ("the inverse RMS of x is not multiplied into x (it scales another tensor: DeepSeek-V4's "
                 "hyper-connection mixes, say), so no normalized x is written to fuse away")
+    return None
+
+
+_L2_REASON = ("an L2 norm (the root of the sum of squares, not of their mean: nGPT-style q / k, "
+              "linear attention's l2norm), not an RMSNorm")
+
+
+def _divided_root(n: fx.Node, hops: int = 4) -> list[fx.Node] | None:
+    """[n, ..., divisor] when n is the root of x's squares (``linalg_vector_norm(x)``, ``x.norm()``, or
+    ``sqrt(mean(x^2))`` / ``sqrt(sum(x^2))`` with nothing added under it) and a few literal-operand ops
+    after it (``* D ** -0.5``, ``+ eps``, ``clamp_min(eps)``, an expand or cast) the result divides x;
+    else None."""
+    aten = torch.ops.aten
+    if n.target == aten.linalg_vector_norm.default:
+        order = n.args[1] if len(n.args) > 1 else n.kwargs.get("ord", 2)
+        src = _uncast(n.args[0]) if order == 2 else None
+    elif is_sqrt(n) and isinstance(n.args[0], fx.Node) and n.args[0].target in (aten.mean.dim, aten.sum.dim_IntList):
+        square = n.args[0].args[0]
+        src = _uncast(square.args[0]) if isinstance(square, fx.Node) and (
+            square.target == aten.square.default or (square.target == aten.pow.Tensor_Scalar and square.args[1] == 2)
+            or (square.target == aten.mul.Tensor and square.args[0] is square.args[1])) else None
+    else:
+        return None
+    if src is None:
+        return None
+    steps = {aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.clamp_min.default, aten.expand.default,
+             aten.expand_as.default, *CASTS}
+    chain = [n]
+    for _ in range(hops):
+        cur = chain[-1]
+        for u in cur.users:
+            if u.target == aten.div.Tensor and u.args[1] is cur and _uncast(u.args[0]) is src:
+                return chain
+        nxt = [u for u in cur.users if u.target in steps and u.args[0] is cur
+               and all(not isinstance(a, fx.Node) or u.target == aten.expand_as.default for a in u.args[1:])]
+        if len(nxt) != 1:
+            return None
+        chain.append(nxt[0])
     return None
 
 
@@ -179,6 +229,6 @@ PATTERN = Pattern(
     lower=lower,
     recompute=True,
     is_candidate=lambda n: n.target == torch.ops.aten.rms_norm.default or (
-        _inverse_root(n) and not _centred(n)),
+        (_inverse_root(n) or _divided_root(n) is not None) and not _centred(n)),
     miss_reason=_miss_reason,
 )

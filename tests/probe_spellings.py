@@ -31,7 +31,8 @@ def rms_norm_cases():
             v = s.mean(-1, keepdim=True) if red == "mean" else s.sum(-1, keepdim=True) / D
             v = (1e-6 + v) if eps_first else (v + 1e-6)
             y = {"rsqrt": lambda: h * torch.rsqrt(v), "div_sqrt": lambda: h / torch.sqrt(v),
-                 "one_over_sqrt": lambda: h * (1.0 / torch.sqrt(v)), "method": lambda: h * v.rsqrt()}[inv]()
+                 "one_over_sqrt": lambda: h * (1.0 / torch.sqrt(v)), "method": lambda: h * v.rsqrt(),
+                 "div_pow_half": lambda: h / v ** 0.5}[inv]()
             ww = (1 + w.float()) if gemma else w
             if not weight:
                 return y.type_as(x) if cast == "type_as" else y.to(x.dtype)
@@ -41,7 +42,8 @@ def rms_norm_cases():
             return out.type_as(x) if cast == "type_as" else out.to(x.dtype)
         return fn
 
-    axes = (("mul", "pow", "square", "pow_op"), ("mean", "sum"), ("rsqrt", "div_sqrt", "one_over_sqrt", "method"),
+    axes = (("mul", "pow", "square", "pow_op"), ("mean", "sum"),
+            ("rsqrt", "div_sqrt", "one_over_sqrt", "method", "div_pow_half"),
             ("wx", "xw"), (False, True), ("before", "after", "type_as"), (True, False), (False, True))
     for dt in (torch.float32, torch.bfloat16):
         for upcast in ((True,) if dt == torch.float32 else (True, False)):

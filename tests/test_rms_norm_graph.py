@@ -56,6 +56,7 @@ SPELLINGS = {
     "one_over_sqrt": lambda x, w, eps: x * (1.0 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w,
     "reciprocal_sqrt": lambda x, w, eps: w * (x * torch.reciprocal(torch.sqrt((x * x).mean(-1, keepdim=True) + eps))),
     "pow_minus_half": lambda x, w, eps: x * (x.pow(2).mean(-1, keepdim=True) + eps) ** -0.5 * w,
+    "div_pow_half": lambda x, w, eps: x / (x.pow(2).mean(-1, keepdim=True) + eps) ** 0.5 * w,
     "weight_first": lambda x, w, eps: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)),
     "llama_upcast": _llama,
     "gemma_one_plus_w": lambda x, w, eps: (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
@@ -174,6 +175,32 @@ def test_l2_norm_is_reported_as_no_rms_norm(inverse):
     assert report.counts()["rms_norm"] == 0
     (site,) = [s for s in report.unmatched if s.pattern == "rms_norm"]
     assert site.reason.startswith("an L2 norm"), site.reason
+
+
+NORM_DIVIDED_FORMS = {  # (x [..., D]) -> x divided by a root of its squares that is no RMSNorm; reason prefix
+    "paper_reference": (lambda x: x / (x.norm(2, dim=-1, keepdim=True) * x.shape[-1] ** -0.5 + 1e-8),
+                        "eps added to the root"),
+    "mean_root_plus_eps": (lambda x: x / (x.pow(2).mean(-1, keepdim=True).sqrt() + 1e-6), "eps added to the root"),
+    "normalize_sqrt_d": (lambda x: F.normalize(x, dim=-1) * x.shape[-1] ** 0.5, "an L2 normalisation, F.normalize"),
+    "vector_norm": (lambda x: x / torch.linalg.vector_norm(x, dim=-1, keepdim=True), "an L2 norm"),
+}
+
+
+@pytest.mark.parametrize("form", NORM_DIVIDED_FORMS)
+def test_norm_dividing_its_source_is_reported(form):
+    """Hand-written norms that divide x by a root of its squares but are another function than
+    x * rsqrt(mean(x^2) + eps) (eps outside the root, F.normalize's floor on the norm, the plain L2
+    norm) were no candidates at all, so the report said nothing; they are now near misses with the
+    reason. ``x / (mean(x^2) + eps) ** 0.5`` next to them fuses (``** 0.5`` reads as sqrt)."""
+    fn, reason = NORM_DIVIDED_FORMS[form]
+
+    def model(x, w):
+        return (fn(x) * w).sum() + (x / (x.pow(2).mean(-1, keepdim=True) + 1e-6) ** 0.5 * w).sum()
+
+    report = fxfuse.explain(model, torch.randn(4, 16), torch.randn(16))
+    assert report.counts()["rms_norm"] == 1, str(report)
+    (site,) = [s for s in report.unmatched if s.pattern == "rms_norm"]
+    assert site.reason.startswith(reason), site.reason
 
 
 @pytest.mark.parametrize("variance", ["var_biased", "var_correction"])
