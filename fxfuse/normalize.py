@@ -70,9 +70,9 @@ def check_retraceable(gm: fx.GraphModule) -> None:
     (checkpoint.py)."""
     for n in gm.graph.nodes:
         if n.op == "call_function" and getattr(n.target, "__name__", "") == "_vmap_increment_nesting":
-            # seen in create_block_mask: the re-trace bakes a batched tensor into a graph constant
+            # outline_vmaps moves every whole region into a call: one left is unbalanced
             raise Unsupported(f"torch.vmap ({n.name}): its batched tensors do not survive the re-trace")
-        if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
+        if n.op == "call_function" and (opaque.is_kept(n) or isinstance(n.target, torch._ops.HigherOrderOperator)):
             why = opaque.unsupported_output(n) if opaque.is_kept(n) else (
                 f"higher-order op {n.target.__name__} ({n.name}) would lose its backward or "
                 "recomputation in the re-trace")
@@ -164,6 +164,7 @@ def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     """Re-trace Dynamo's graph to pre-dispatch ATen; keeps Dynamo's graph and placeholder metadata.
     Activation-checkpointed regions are inlined with their recompute tags first (checkpoint.py)."""
     source, _ = inline_checkpoints(gm)
+    source = opaque.outline_vmaps(source)
     check_retraceable(source)
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     fakes = _fakify(gm, example_inputs, fake_mode)

@@ -12,11 +12,20 @@ graph module), so the matcher sees an op it does not know (a fused pattern never
 intermediate it reads counts as escaping) and AOTAutograd lowers the call as it would have in
 Dynamo's own graph. Nothing inside the call is fused.
 
+A ``torch.vmap`` call reaches the backend inlined: the nodes between ``_vmap_increment_nesting`` and
+its ``_vmap_decrement_nesting``, with ``_add_batch_dim`` / ``_remove_batch_dim`` at the edges
+(transformers' attention masks with custom mask functions, as Gemma 3 / 4 build for image tokens;
+flex attention's create_block_mask). The pre-dispatch re-trace sees the batched tensors inside as
+plain ones and bakes them into constants, so ``outline_vmaps`` first moves each outermost region
+into a submodule called through a ``VmapRegion``: kept as above, and at its place after the
+re-trace AOTAutograd traces through the region, functorch and all, as it does Dynamo's own graph.
+
 Any other higher-order op still leaves the whole graph unfused (normalize.check_retraceable).
 """
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import List
 
 import torch
@@ -45,16 +54,86 @@ def _(tensors, sym_ints, key):
     return [t.clone() for t in pytree.tree_leaves(out)]  # an op's outputs may not alias its inputs
 
 
+class VmapRegion:
+    """Calls an outlined torch.vmap region (outline_vmaps): its graph module on the region's inputs,
+    a tuple of the region's outputs. Its stand-in's outputs during the re-trace are new tensors shaped
+    as Dynamo's fake outputs of the region (examples, in the re-trace's own fake mode): running
+    functorch inside a fake kernel would see its batched tensors as plain ones, as make_fx does."""
+
+    __name__ = "vmap"
+
+    def __init__(self, gm: fx.GraphModule, examples: tuple):
+        self.gm, self.examples = gm, examples
+
+    def __call__(self, *args):
+        return tuple(self.gm(*args))
+
+    def fake_outputs(self) -> tuple:
+        return tuple(torch.empty_strided(e.shape, e.stride(), dtype=e.dtype, device=e.device) for e in self.examples)
+
+
 def is_kept(n: fx.Node) -> bool:
-    return (n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)
-            and n.target.__name__ in KEPT)
+    return n.op == "call_function" and (isinstance(n.target, VmapRegion) or (
+        isinstance(n.target, torch._ops.HigherOrderOperator) and n.target.__name__ in KEPT))
+
+
+def _vmap_regions(graph: fx.Graph) -> list[list[fx.Node]]:
+    """The nodes of each outermost vmap region, increment to decrement, in graph order."""
+    regions, depth, start = [], 0, None
+    nodes = list(graph.nodes)
+    for i, n in enumerate(nodes):
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        if name == "_vmap_increment_nesting":
+            start = i if depth == 0 else start
+            depth += 1
+        elif name == "_vmap_decrement_nesting" and depth:
+            depth -= 1
+            if depth == 0:
+                regions.append(nodes[start:i + 1])
+    return regions
+
+
+def outline_vmaps(gm: fx.GraphModule) -> fx.GraphModule:
+    """gm with each outermost vmap region replaced by one call of a VmapRegion on the region's inputs,
+    its outputs read by getitem. gm is not modified: the result is a new GraphModule over a copy of
+    its graph (gm itself when it holds no region), sharing gm's parameters and submodules."""
+    if not _vmap_regions(gm.graph):
+        return gm
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    root = fx.GraphModule(gm, graph)
+    for region in _vmap_regions(graph):
+        inside = set(region)
+        inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))
+        outputs = [n for n in region if any(u not in inside for u in n.users)]
+        body = fx.Graph()
+        env = {}
+        for a in inputs:
+            env[a] = body.placeholder(a.name)
+            env[a].meta.update(a.meta)
+        for n in region:
+            env[n] = body.node_copy(n, lambda a: env[a])
+        body.output(tuple(env[o] for o in outputs))
+        examples = tuple(o.meta.get("example_value") for o in outputs)
+        with graph.inserting_before(region[0]):
+            call = graph.call_function(VmapRegion(fx.GraphModule(root, body), examples), tuple(inputs))
+            call.meta.update({k: v for k, v in region[0].meta.items() if k != "example_value"})
+            call.meta["example_value"] = examples
+            for i, o in enumerate(outputs):
+                item = graph.call_function(operator.getitem, (call, i))
+                item.meta.update(o.meta)
+                o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
+        for n in reversed(region):
+            graph.erase_node(n)
+    root.recompile()
+    return root
 
 
 def describe(n: fx.Node) -> str:
     from .report import module_path, source_line
 
     what = ("selective activation checkpointing" if n.target.__name__ == "tag_activation_checkpoint"
-            else n.target.__name__)
+            else "torch.vmap" if isinstance(n.target, VmapRegion) else n.target.__name__)
     where = module_path(n) or "(root)"
     src = source_line(n)
     return f"{what} ({n.name}) at {where}{' ' + src if src else ''}: kept as written, nothing inside it fused"
@@ -94,7 +173,7 @@ def _rebuild(key: int, tensors, sym_ints, const=lambda i, c: c):
 
 def _call(key: int, tensors, sym_ints):
     op, args, kwargs = _rebuild(key, tensors, sym_ints)
-    return op(*args, **kwargs)
+    return op.fake_outputs() if isinstance(op, VmapRegion) else op(*args, **kwargs)
 
 
 class Interpreter(fx.Interpreter):
