@@ -182,7 +182,15 @@ def _is_candidate(n: fx.Node) -> bool:
         return logistic_denominator(n.args[1]) is n.args[0] and any(
             u.target == torch.ops.aten.mul.Tensor for u in n.users)
     return n.target == torch.ops.aten.sigmoid.default and (
-        any(n.args[0] in u.args for u in muls) or _scaled_self_gate(n) or _transformed_self_gate(n))
+        any(n.args[0] in u.args and _times_another(u) for u in muls) or _scaled_self_gate(n)
+        or _transformed_self_gate(n))
+
+
+def _times_another(prod: fx.Node) -> bool:
+    """prod (an activation written out: x * sigmoid(x)) is multiplied by another tensor, an up
+    projection; alone it is a plain activation (CLIP's quick_gelu, x * sigmoid(1.702 x)), no gated MLP."""
+    return any(u.target == torch.ops.aten.mul.Tensor and any(isinstance(a, fx.Node) and a is not prod for a in u.args)
+               for u in prod.users)
 
 
 def _relu_gate(n: fx.Node) -> bool:
@@ -202,7 +210,8 @@ def _scaled_self_gate(n: fx.Node) -> bool:
     if not (isinstance(arg, fx.Node) and arg.target == torch.ops.aten.mul.Tensor):
         return False
     xs = [a for a in arg.args if isinstance(a, fx.Node)]
-    return len(xs) == 1 and any(xs[0] in u.args for u in n.users if u.target == torch.ops.aten.mul.Tensor)
+    return len(xs) == 1 and any(xs[0] in u.args and _times_another(u) for u in n.users
+                                if u.target == torch.ops.aten.mul.Tensor)
 
 
 def _transformed_self_gate(n: fx.Node, hops: int = 3) -> bool:

@@ -144,6 +144,21 @@ def test_no_false_match_on_plain_mlp(model_type, overrides):
     assert not [s for s in report.unmatched if s.pattern == "swiglu"]
 
 
+@pytest.mark.parametrize("alpha", [1.0, 1.702], ids=["silu_written_out", "quick_gelu"])
+def test_written_out_activation_of_an_ungated_mlp_is_no_candidate(alpha):
+    """x * sigmoid(alpha * x) between two linears (CLIP's quick_gelu in LLaVA's vision tower, a SiLU
+    written out) is a plain activation: no site, and not reported as a gated-MLP near miss."""
+    fc1, fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def mlp(x):
+        h = fc1(x)
+        return fc2(h * torch.sigmoid(alpha * h) if alpha != 1.0 else h * torch.sigmoid(h)).sum()
+
+    report = fxfuse.explain(mlp, torch.randn(4, 8))
+    assert report.counts()["swiglu"] == 0
+    assert not [s for s in report.unmatched if s.pattern == "swiglu"], str(report)
+
+
 def test_broadcast_product_is_not_a_gated_mlp():
     class Broadcast(nn.Module):
         def forward(self, g, u):
