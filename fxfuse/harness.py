@@ -81,12 +81,14 @@ def is_attention(m: nn.Module) -> bool:
     it still rotates its queries), one with a joint key-value projection (JetMoE's kv_proj, its queries
     from attention experts), and DeepSeek sparse attention's indexer (wq_b, wk: it rotates its own
     queries and keys to score tokens), one whose queries come with their gate (MiniCPM5-MoE's
-    q_gate_proj). Linear attention is not (no rotation): MiniMax's lightning
-    layers (a qkv_proj), delta-rule layers (Bailing's DeltaAttention: q_proj, k_proj and a causal conv1d)."""
+    q_gate_proj), a vision transformer's packed qkv and proj (Qwen2-VL's). Linear attention is not (no
+    rotation): MiniMax's lightning layers (a qkv_proj), delta-rule layers (Bailing's DeltaAttention: q_proj,
+    k_proj and a causal conv1d)."""
     names = _names(m)
     if "lightning" in type(m).__name__.lower() or "conv1d" in names:
         return False
     return ({"q_proj", "k_proj"} <= names or {"q_proj", "o_proj"} <= names or {"wq", "wk"} <= names
+            or {"qkv", "proj"} <= names
             or {"wq_b", "wk"} <= names or {"q_gate_proj", "k_proj"} <= names
             or bool(names & {"query_key_value", "qkv_proj", "wqkv", "kv_a_proj_with_mqa", "kv_proj"}))
 
@@ -97,10 +99,31 @@ def uses_rope(model: nn.Module) -> bool:
         n.split(".")[-1] in ("inv_freq", "freqs_cis") for n, _ in model.named_buffers())
 
 
+def _tower(model: nn.Module, name: str) -> nn.Module:
+    """The innermost HF PreTrainedModel holding the module called name (a VLM's vision tower or its
+    language model), else model itself."""
+    parts = name.split(".")
+    for k in range(len(parts), 0, -1):
+        m = model.get_submodule(".".join(parts[:k]))
+        if any(c.__name__ == "PreTrainedModel" for c in type(m).__mro__):
+            return m
+    return model
+
+
 def expected_sites(model: nn.Module, inputs: dict, has_loss_head: bool) -> dict[str, int]:
+    """Module calls per pattern in one forward. An attention module is a RoPE site when its tower
+    (_tower) has a rotary embedding: a VLM's CLIP / SigLIP vision attention is not, Qwen2-VL's is."""
     calls = {p: 0 for p in PATTERN_NAMES}
-    rope = uses_rope(model)
-    tests = {"rms_norm": is_rms_norm, "swiglu": is_gated_mlp, "rope": lambda m: rope and is_attention(m)}
+    towers: dict[int, bool] = {}  # id(tower) -> it has a rotary embedding
+
+    def rotary(name: str) -> bool:
+        tower = _tower(model, name) if name else model
+        if id(tower) not in towers:
+            towers[id(tower)] = uses_rope(tower)
+        return towers[id(tower)]
+
+    rope_attention = {id(m) for n, m in model.named_modules() if is_attention(m) and rotary(n)}
+    tests = {"rms_norm": is_rms_norm, "swiglu": is_gated_mlp, "rope": lambda m: id(m) in rope_attention}
 
     def count(p):
         def hook(mod, args, out):

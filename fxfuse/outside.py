@@ -135,21 +135,22 @@ class Census:
         self.eager: list[tuple[str, nn.Module]] = []  # module forwards whose own code ran in Python
         self.ran: dict[int, list] = {}  # id(graph report) -> [report, runs]
         self._names: dict[int, str] = {}
-        self._codes: set = set()
+        self._codes: set[int] = set()  # id() of the forward code objects: a code object holding a dict
+        # constant (a Dynamo resume function's, say) cannot be hashed; the classes keep these alive
 
     def __enter__(self) -> Census:
         self._before = _graph_breaks()
         if self.model is not None:
             for name, mod in self.model.named_modules():
                 self._names[id(mod)] = name
-                self._codes.add(_forward_code(mod))
+                self._codes.add(id(_forward_code(mod)))
         _ACTIVE.append(self)
         if len(_ACTIVE) == 1:
             _Profiler.start()
         return self
 
     def _saw(self, code, self_arg) -> None:
-        if code in self._codes and id(self_arg) in self._names:
+        if id(code) in self._codes and id(self_arg) in self._names:
             self.eager.append((self._names[id(self_arg)], self_arg))
 
     def __exit__(self, *exc) -> None:

@@ -106,8 +106,10 @@ def check(m) -> str | None:
     x, out = val(m.inputs["x"]), val(m.anchor)
     if x is None or out is None:
         return "no shape/dtype information on the input"
-    if x.dim() != 4:
-        return f"input has {x.dim()} dims; the kernel rotates [B, H, T, D] or [B, T, H, D]"
+    if not 2 <= x.dim() <= 4:
+        return f"input has {x.dim()} dims; the kernel rotates [B, H, T, D] or [B, T, H, D] (or fewer leading dims)"
+    if tuple(out.shape) != tuple(x.shape):
+        return f"cos/sin broadcast the input {list(x.shape)} to {list(out.shape)}; the kernel keeps the input's shape"
     if x.dtype not in SUPPORTED or out.dtype not in SUPPORTED:
         return f"dtype {x.dtype} -> {out.dtype} not supported (float32, bfloat16, float16)"
     tables = [val(t) for t in _tables(m)]
@@ -213,8 +215,8 @@ def lower_group(ms: list, graph: fx.Graph, opts) -> list[fx.Node]:
     # under autocast q/k are bf16 but cos/sin fp32: eager's product is fp32, so rotate in fp32
     out_dtype = val(ms[0].anchor).dtype
     lone = len(ms) == 1  # a lone rotation rotates its input twice (k is q)
-    q = _as(graph, ms[0].inputs["x"], out_dtype)
-    k = q if lone else _as(graph, ms[1].inputs["x"], out_dtype)
+    q = _rank4(graph, _as(graph, ms[0].inputs["x"], out_dtype))
+    k = q if lone else _rank4(graph, _as(graph, ms[1].inputs["x"], out_dtype))
     if ms[0].consts["form"] == "halves_pairs":  # channels (0, 2, 4, .., 1, 3, ..): then the halves form
         q = _deinterleave(graph, q)
         k = q if lone else _deinterleave(graph, k)
@@ -231,7 +233,21 @@ def lower_group(ms: list, graph: fx.Graph, opts) -> list[fx.Node]:
                                    (swap(q), swap(k), swap(cos), swap(sin), interleaved, d, rnd))
         return [swap(graph.call_function(operator.getitem, (pair, i))) for i in range(len(ms))]
     pair = graph.call_function(torch.ops.fxfuse.rope.default, (q, k, cos, sin, interleaved, d, rnd))
-    return [graph.call_function(operator.getitem, (pair, i)) for i in range(len(ms))]
+    return [_rank_of(graph, graph.call_function(operator.getitem, (pair, i)), m) for i, m in enumerate(ms)]
+
+
+def _rank4(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    """x with leading dims of 1 up to rank 4 (Qwen2-VL's vision rotates unbatched [T, H, D]); broadcasting
+    aligns trailing dims, so cos / sin, lifted to rank 4 too, still line up."""
+    for _ in range(4 - val(x).dim()):
+        x = graph.call_function(aten.unsqueeze.default, (x, 0))
+    return x
+
+
+def _rank_of(graph: fx.Graph, out: fx.Node, m) -> fx.Node:
+    """The rank-4 rotation of m's input back at the input's rank."""
+    lift = 4 - val(m.inputs["x"]).dim()
+    return graph.call_function(aten.squeeze.dims, (out, list(range(lift)))) if lift else out
 
 
 def _deinterleave(graph: fx.Graph, x: fx.Node) -> fx.Node:

@@ -123,7 +123,7 @@ def test_autocast_rotation_in_fp32_is_fused():
     eager rounds each path's: errors against fp32 within 2x eager's."""
     (e_loss, e_grad), (f_loss, f_grad) = bf16_errors(lambda dt: hf_model("llama", dtype=dt), batch(),
                                                       autocast=True, patterns=["rope"])
-    assert fxfuse.last_report().counts()["rope"] == 2, str(fxfuse.last_report())
+    assert fxfuse.last_report().counts()["rope"] == 1, str(fxfuse.last_report())  # q and k: one site
     assert f_loss <= 2 * e_loss and f_grad <= 2 * e_grad, ((e_loss, e_grad), (f_loss, f_grad))
 
 
@@ -263,3 +263,27 @@ def test_rotate_half_halves_spelled_otherwise(how):
     loss_err, grad_err, report, _ = compiled_parity(_RotateHalf(how), inputs, loss_fn=lambda out: out)
     assert report.counts()["rope"] == 1 and [s.variant for s in report.matched] == ["rope_rotate_half"], str(report)
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+@pytest.mark.parametrize("shape", [(7, 3, 8), (7, 8)], ids=["unbatched_heads", "rows"])
+def test_rope_on_fewer_than_four_dims(shape):
+    """Qwen2-VL's vision tower rotates unbatched [T, H, D] q / k with cos [T, 1, D]: lifted to rank 4
+    for the kernel and back (it was unmatched: "input has 3 dims"); [T, D] rows too."""
+    torch.manual_seed(0)
+    x, k = (torch.randn(*shape, requires_grad=True) for _ in range(2))
+    ang = torch.randn(shape[0], shape[-1] // 2).repeat(1, 2).view(shape[0], *([1] * (len(shape) - 2)), shape[-1])
+
+    def rot(t):
+        a, b = t.chunk(2, -1)
+        return torch.cat((-b, a), -1)
+
+    def fn(x, k):
+        return ((x * ang.cos() + rot(x) * ang.sin()) * (k * ang.cos() + rot(k) * ang.sin()).flip(-1)).sum()
+
+    ref = fn(x, k)
+    ref_grads = torch.autograd.grad(ref, (x, k))
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="fxfuse", options={"inner": "aot_eager"})(x, k)
+    grads = torch.autograd.grad(out, (x, k))
+    assert fxfuse.last_report().counts()["rope"] == 1, str(fxfuse.last_report())  # q and k: one site
+    assert rel_err(out, ref) < 1e-5 and max(rel_err(g, r) for g, r in zip(grads, ref_grads)) < 1e-5

@@ -1,0 +1,77 @@
+"""Tiny vision-language models from config (random weights) with one image in a training batch:
+(config, inputs). Image tokens are masked out of the labels, as a processor's collator does."""
+from __future__ import annotations
+
+import torch
+
+TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, use_cache=False, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2)
+IMAGE = 100  # the image placeholder token
+
+
+def _ids(n_image: int, start: int | None = None, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, T] ids: 2 text tokens, [start,] n_image placeholders, [end,] 5 text tokens; labels."""
+    g = torch.Generator().manual_seed(1)
+    parts = [torch.randint(3, 90, (2,), generator=g), torch.tensor([start] if start is not None else []).long(),
+             torch.full((n_image,), IMAGE), torch.tensor([end] if end is not None else []).long(),
+             torch.randint(3, 90, (5,), generator=g)]
+    ids = torch.cat(parts)[None]
+    labels = ids.clone()
+    labels[ids == IMAGE] = -100
+    return ids, labels
+
+
+def qwen_vl(model_type: str):
+    """Qwen2-VL / Qwen2.5-VL: a vision transformer with 2-D RoPE on unbatched [T, H, D] q / k, M-RoPE
+    in the language model; one 8 x 8-patch image merged 2 x 2 into 16 tokens."""
+    from transformers import AutoConfig
+
+    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=32, window_size=16, fullatt_block_indexes=[1])
+    if model_type == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=16, hidden_size=32, mlp_ratio=2, num_heads=2, patch_size=4,
+                      spatial_merge_size=2, temporal_patch_size=2)
+    rope = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
+    cfg = AutoConfig.for_model(model_type, text_config={**TEXT, "rope_parameters": rope}, vision_config=vision,
+                               image_token_id=IMAGE, video_token_id=101, vision_start_token_id=102,
+                               vision_end_token_id=103)
+    t, h, w = 1, 8, 8
+    ids, labels = _ids(h * w // 4, start=102, end=103)
+    pixels = torch.randn(t * h * w, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(2))
+    return cfg, {"input_ids": ids, "labels": labels, "pixel_values": pixels, "image_grid_thw": torch.tensor([[t, h, w]]),
+                 "mm_token_type_ids": (ids == IMAGE).long()}
+
+
+def _vision_tower(model_type: str) -> dict:
+    return {"model_type": model_type, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "image_size": 16, "patch_size": 4}
+
+
+def llava():
+    """LLaVA: a CLIP vision tower (no rotary, quick_gelu MLP) and a Llama; 16 image tokens."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("llava", text_config={"model_type": "llama", **TEXT},
+                               vision_config=_vision_tower("clip_vision_model") | {"projection_dim": 16},
+                               image_token_index=IMAGE, vision_feature_layer=-1)
+    ids, labels = _ids(16)
+    return cfg, {"input_ids": ids, "labels": labels,
+                 "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+
+
+def gemma3():
+    """Gemma 3: a SigLIP vision tower and Gemma 3's language model, whose image tokens attend to each
+    other both ways (token_type_ids: a mask function transformers builds with torch.vmap)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("gemma3", text_config={"model_type": "gemma3_text", **TEXT, "sliding_window": 8},
+                               vision_config=_vision_tower("siglip_vision_model"), mm_tokens_per_image=4,
+                               image_token_index=IMAGE, boi_token_index=104, eoi_token_index=105)
+    ids, labels = _ids(4, start=104, end=105)
+    return cfg, {"input_ids": ids, "labels": labels, "token_type_ids": (ids == IMAGE).long(),
+                 "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+
+
+VLMS = {"qwen2_vl": lambda: qwen_vl("qwen2_vl"), "qwen2_5_vl": lambda: qwen_vl("qwen2_5_vl"), "llava": llava,
+        "gemma3": gemma3}
