@@ -215,8 +215,8 @@ def lower_group(ms: list, graph: fx.Graph, opts) -> list[fx.Node]:
     # under autocast q/k are bf16 but cos/sin fp32: eager's product is fp32, so rotate in fp32
     out_dtype = val(ms[0].anchor).dtype
     lone = len(ms) == 1  # a lone rotation rotates its input twice (k is q)
-    q = _rank4(graph, _as(graph, ms[0].inputs["x"], out_dtype))
-    k = q if lone else _rank4(graph, _as(graph, ms[1].inputs["x"], out_dtype))
+    q = _rank4(graph, _as(graph, ms[0].inputs["x"], out_dtype), ms[0])
+    k = q if lone else _rank4(graph, _as(graph, ms[1].inputs["x"], out_dtype), ms[1])
     if ms[0].consts["form"] == "halves_pairs":  # channels (0, 2, 4, .., 1, 3, ..): then the halves form
         q = _deinterleave(graph, q)
         k = q if lone else _deinterleave(graph, k)
@@ -236,10 +236,11 @@ def lower_group(ms: list, graph: fx.Graph, opts) -> list[fx.Node]:
     return [_rank_of(graph, graph.call_function(operator.getitem, (pair, i)), m) for i, m in enumerate(ms)]
 
 
-def _rank4(graph: fx.Graph, x: fx.Node) -> fx.Node:
-    """x with leading dims of 1 up to rank 4 (Qwen2-VL's vision rotates unbatched [T, H, D]); broadcasting
-    aligns trailing dims, so cos / sin, lifted to rank 4 too, still line up."""
-    for _ in range(4 - val(x).dim()):
+def _rank4(graph: fx.Graph, x: fx.Node, m) -> fx.Node:
+    """x (m's input, or a cast of it: a node with no value yet) with leading dims of 1 up to rank 4
+    (Qwen2-VL's vision rotates unbatched [T, H, D]); broadcasting aligns trailing dims, so cos / sin,
+    lifted to rank 4 too, still line up."""
+    for _ in range(4 - val(m.inputs["x"]).dim()):
         x = graph.call_function(aten.unsqueeze.default, (x, 0))
     return x
 

@@ -11,9 +11,17 @@ from tests.vlm_cases import VLMS
 EXPECTED = {  # sites per pattern: (vision tower, language model) summed
     "qwen2_vl": {"rms_norm": 5, "rope": 4, "swiglu": 2, "linear_cross_entropy": 1},
     "qwen2_5_vl": {"rms_norm": 10, "rope": 4, "swiglu": 4, "linear_cross_entropy": 1},
+    "qwen3_vl": {"rms_norm": 9, "rope": 4, "swiglu": 2, "linear_cross_entropy": 1},
     "llava": {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
     "gemma3": {"rms_norm": 14, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
+    "mistral3": {"rms_norm": 11, "rope": 4, "swiglu": 4, "linear_cross_entropy": 1},
+    "paligemma": {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
 }
+# Graphs no backend compiles, which Dynamo then runs eagerly; they hold no site. AOTAutograd cannot
+# trace Qwen3-VL's DeepStack add, ``h[mask, :] = h[mask, :] + v`` (the backward of a boolean-mask
+# index_put needs a data-dependent nonzero), nor Mistral 3's patch merger, which views the image
+# features by sizes read from a tensor (``.item()``); plain aot_eager fails on both the same way.
+NO_BACKEND = {"qwen3_vl": "nonzero", "mistral3": "_local_scalar_dense"}
 
 
 @pytest.mark.parametrize("model_type", VLMS)
@@ -22,6 +30,7 @@ def test_vlm_with_an_image_is_fused_with_parity(model_type):
 
     cfg, inputs = VLMS[model_type]()
     cfg = without_randomness(cfg)
+    torch._dynamo.reset()  # the models share transformers' functions: keep each below Dynamo's recompile limit
 
     def build():
         torch.manual_seed(0)
@@ -30,4 +39,5 @@ def test_vlm_with_an_image_is_fused_with_parity(model_type):
     r = check(model_type, build, inputs, bf16_steps=0)
     assert r.expected == EXPECTED[model_type] and r.matched == r.expected, (r.expected, r.matched, r.reasons)
     assert r.loss_err < 1e-5 and r.grad_err < 1e-5, (r.loss_err, r.grad_err)
-    assert "graph" not in r.reasons, r.reasons["graph"]  # no graph left unfused
+    unfused = [e for e in r.reasons.get("graph", []) if not (model_type in NO_BACKEND and NO_BACKEND[model_type] in e)]
+    assert not unfused, unfused

@@ -23,7 +23,7 @@ def _ids(n_image: int, start: int | None = None, end: int | None = None) -> tupl
 
 
 def qwen_vl(model_type: str):
-    """Qwen2-VL / Qwen2.5-VL: a vision transformer with 2-D RoPE on unbatched [T, H, D] q / k, M-RoPE
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: a vision transformer with 2-D RoPE on unbatched [T, H, D] q / k, M-RoPE
     in the language model; one 8 x 8-patch image merged 2 x 2 into 16 tokens."""
     from transformers import AutoConfig
 
@@ -33,6 +33,10 @@ def qwen_vl(model_type: str):
         vision = dict(depth=2, embed_dim=16, hidden_size=32, mlp_ratio=2, num_heads=2, patch_size=4,
                       spatial_merge_size=2, temporal_patch_size=2)
     rope = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
+    if model_type == "qwen3_vl":  # learned position embeddings on a 4 x 4 grid; DeepStack from block 0
+        vision = {k: v for k, v in vision.items() if k not in ("window_size", "fullatt_block_indexes")}
+        vision |= dict(num_position_embeddings=16, deepstack_visual_indexes=[0])
+        rope |= {"mrope_interleaved": True}
     cfg = AutoConfig.for_model(model_type, text_config={**TEXT, "rope_parameters": rope}, vision_config=vision,
                                image_token_id=IMAGE, video_token_id=101, vision_start_token_id=102,
                                vision_end_token_id=103)
@@ -73,5 +77,32 @@ def gemma3():
                  "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
 
 
-VLMS = {"qwen2_vl": lambda: qwen_vl("qwen2_vl"), "qwen2_5_vl": lambda: qwen_vl("qwen2_5_vl"), "llava": llava,
-        "gemma3": gemma3}
+def mistral3():
+    """Mistral 3: a Pixtral vision tower (RMSNorm, 2-D RoPE, SwiGLU) and a Mistral; a 16 x 16 image in
+    4 x 4 patches merged 2 x 2 into 4 tokens."""
+    from transformers import AutoConfig
+
+    vision = {k: v for k, v in _vision_tower("pixtral").items() if k != "num_hidden_layers"}
+    cfg = AutoConfig.for_model("mistral3", text_config={"model_type": "mistral", **TEXT},
+                               vision_config=vision | {"num_hidden_layers": 2, "head_dim": 8},
+                               image_token_index=IMAGE, spatial_merge_size=2, vision_feature_layer=-1)
+    ids, labels = _ids(4)
+    return cfg, {"input_ids": ids, "labels": labels, "image_sizes": torch.tensor([[16, 16]]),
+                 "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+
+
+def paligemma():
+    """PaliGemma: SigLIP and a Gemma, the image and prompt a bidirectional prefix (token_type_ids)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("paligemma", text_config={"model_type": "gemma", **TEXT},
+                               vision_config=_vision_tower("siglip_vision_model") | {"projection_dim": 32},
+                               image_token_index=IMAGE, projection_dim=32, hidden_size=32)
+    ids, labels = _ids(16)
+    return cfg, {"input_ids": ids, "labels": labels, "token_type_ids": (ids == IMAGE).long(),
+                 "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+
+
+VLMS = {"qwen2_vl": lambda: qwen_vl("qwen2_vl"), "qwen2_5_vl": lambda: qwen_vl("qwen2_5_vl"),
+        "qwen3_vl": lambda: qwen_vl("qwen3_vl"), "llava": llava, "gemma3": gemma3, "mistral3": mistral3,
+        "paligemma": paligemma}
