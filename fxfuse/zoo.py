@@ -113,6 +113,10 @@ def without_randomness(cfg):
 def check_hf(spec: str, bf16_steps: int = 20, inner: str = "aot_eager", **overrides) -> Result:
     from transformers import AutoModelForCausalLM
 
+    from .zoo_vlm import VLMS
+
+    if spec in VLMS:
+        return check_vlm(spec, bf16_steps, inner, **overrides)
     cfg = without_randomness(hf_config(spec, **overrides))
 
     def build():
@@ -121,6 +125,25 @@ def check_hf(spec: str, bf16_steps: int = 20, inner: str = "aot_eager", **overri
 
     name = spec if not spec.endswith(".json") else cfg.model_type
     return check(name, build, hf_inputs(cfg.vocab_size), bf16_steps=bf16_steps, inner=inner)
+
+
+def check_vlm(spec: str, bf16_steps: int = 20, inner: str = "aot_eager", **overrides) -> Result:
+    """A vision-language model of fxfuse.zoo_vlm trained on its batch with an image; overrides set
+    fields of its top-level config."""
+    from transformers import AutoModelForImageTextToText
+
+    from .zoo_vlm import VLMS
+
+    cfg, inputs = VLMS[spec]()
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    cfg = without_randomness(cfg)
+
+    def build():
+        torch.manual_seed(0)
+        return AutoModelForImageTextToText.from_config(cfg)
+
+    return check(spec, build, inputs, bf16_steps=bf16_steps, inner=inner)
 
 
 def cell(r: Result, pattern: str) -> str:
@@ -180,7 +203,8 @@ def check_cmd(args) -> int:
 
 def register(sub) -> None:
     c = sub.add_parser("check", help="does fxfuse fuse every site of this architecture, with parity?")
-    c.add_argument("model", help="HF model type (llama, qwen2, ...) or a config.json path")
+    c.add_argument("model", help="HF model type (llama, qwen2, ...; a vision-language one of fxfuse.zoo_vlm: "
+                                 "qwen2_5_vl, gemma3, ..., trained with an image) or a config.json path")
     c.add_argument("--no-train", action="store_true", help="skip the 20 bf16 AdamW steps")
     c.add_argument("--inner", choices=["aot_eager", "inductor", "eager"], default="aot_eager")
     c.add_argument("--json", action="store_true")

@@ -4,9 +4,8 @@ fxfuse.harness), and the loss and every gradient at fp32 parity with eager."""
 import pytest
 import torch
 
-from fxfuse.harness import check
-from fxfuse.zoo import without_randomness
-from tests.vlm_cases import VLMS
+from fxfuse.zoo import check_vlm
+from fxfuse.zoo_vlm import VLMS
 
 EXPECTED = {  # sites per pattern: (vision tower, language model) summed
     "qwen2_vl": {"rms_norm": 5, "rope": 4, "swiglu": 2, "linear_cross_entropy": 1},
@@ -26,18 +25,18 @@ NO_BACKEND = {"qwen3_vl": "nonzero", "mistral3": "_local_scalar_dense"}
 
 @pytest.mark.parametrize("model_type", VLMS)
 def test_vlm_with_an_image_is_fused_with_parity(model_type):
-    from transformers import AutoModelForImageTextToText
-
-    cfg, inputs = VLMS[model_type]()
-    cfg = without_randomness(cfg)
     torch._dynamo.reset()  # the models share transformers' functions: keep each below Dynamo's recompile limit
-
-    def build():
-        torch.manual_seed(0)
-        return AutoModelForImageTextToText.from_config(cfg)
-
-    r = check(model_type, build, inputs, bf16_steps=0)
+    r = check_vlm(model_type, bf16_steps=0)
     assert r.expected == EXPECTED[model_type] and r.matched == r.expected, (r.expected, r.matched, r.reasons)
     assert r.loss_err < 1e-5 and r.grad_err < 1e-5, (r.loss_err, r.grad_err)
     unfused = [e for e in r.reasons.get("graph", []) if not (model_type in NO_BACKEND and NO_BACKEND[model_type] in e)]
     assert not unfused, unfused
+
+
+def test_check_cli_builds_a_vlm_with_an_image(capsys):
+    """``fxfuse check llava``: the vision-language model with its image batch, not a causal LM."""
+    from fxfuse.cli import main
+
+    torch._dynamo.reset()
+    assert main(["check", "llava", "--no-train"]) == 0
+    assert "llava: rms_norm 5/5, rope 2/2, swiglu 2/2, linear_cross_entropy 1/1" in capsys.readouterr().out

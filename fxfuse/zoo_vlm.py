@@ -1,5 +1,7 @@
-"""Tiny vision-language models from config (random weights) with one image in a training batch:
-(config, inputs). Image tokens are masked out of the labels, as a processor's collator does."""
+"""Vision-language models for the harness: tiny configs (random weights) with one image in a training
+batch, ``VLMS[model_type]() -> (config, inputs)``, built with AutoModelForImageTextToText
+(``fxfuse check qwen2_5_vl``; tests/test_vlm.py). Image tokens are masked out of the labels, as a
+processor's collator does."""
 from __future__ import annotations
 
 import torch
