@@ -60,11 +60,13 @@ def is_gated_mlp(m: nn.Module) -> bool:
     Meta / gpt-fast w1/w3, DBRX's experts w1/v1; Gemma 4's decoder layer (act(per_layer_input_gate(h)) * per_layer_input);
     JetMoE's MoE (input_linear to both halves, its activation; its attention experts have no activation);
     a gated RMSNorm with a SiLU gate (silu(gate) * normed x; Kimi Linear's sigmoid gate is no site);
-    xLSTM's proj_up_gate / proj_up; ModernBERT's Wi packing both halves (twice Wo's input width)."""
+    xLSTM's proj_up_gate / proj_up; ModernBERT's Wi packing both halves (twice Wo's input width);
+    a Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba: its scan output times silu(gate))."""
     names = _names(m)
     return ({"gate_proj", "up_proj"} <= names or "gate_up_proj" in names or {"w1", "w3"} <= names
             or {"w1", "v1"} <= names or "per_layer_input_gate" in names or {"proj_up_gate", "proj_up"} <= names
             or {"input_linear", "output_linear", "activation"} <= names or _packed_in_out(m)
+            or {"in_proj", "x_proj", "dt_proj", "out_proj"} <= names
             or (type(m).__name__.lower().endswith("rmsnormgated") and getattr(m, "activation", "silu") == "silu"))
 
 

@@ -67,6 +67,9 @@ HF_ZOO: dict[str, dict] = {
     # then an MLA layer (DeepSeek's interleaved pairs written out on even / odd slices)
     "bailing_hybrid": {"layer_group_size": 2, **{k: MLA_TINY[k] for k in (
         "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank", "num_key_value_heads")}},
+    # Mamba-1 mixers (their scan output times silu(gate) is a gated site); on CPU the selective scan is
+    # torch's associative_scan in generic mode, traced through torch.vmap (kept as written, opaque.py)
+    "mamba": {}, "falcon_mamba": {}, "jamba": {},
 }
 
 # (architecture, pattern) -> why the site is not fused; the harness records these as gaps
