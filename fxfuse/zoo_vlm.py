@@ -105,6 +105,46 @@ def paligemma():
                  "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
 
 
+def smolvlm():
+    """SmolVLM: its SigLIP-style tower, pixel shuffle by 2, and a Llama; one 16 x 16 image, 4 tokens."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("smolvlm", text_config={"model_type": "llama", **TEXT},
+                               vision_config=_vision_tower("smolvlm_vision"), image_token_id=IMAGE, scale_factor=2)
+    ids, labels = _ids(4)
+    return cfg, {"input_ids": ids, "labels": labels,
+                 "pixel_values": torch.randn(1, 1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+
+
+def llama4():
+    """Llama 4: a vision encoder with 2-D complex RoPE and a pixel-shuffle adapter (which reads its
+    input width from the tower's intermediate_size), and Llama 4's MoE text model; 4 image tokens."""
+    from transformers import AutoConfig
+
+    text = {**TEXT, "model_type": "llama4_text", "intermediate_size_mlp": 48, "num_local_experts": 2,
+            "interleave_moe_layer_step": 1, "attention_chunk_size": 64, "no_rope_layers": [1, 1]}
+    vision = _vision_tower("llama4_vision_model") | {"intermediate_size": 64, "vision_output_dim": 32,
+                                                     "projector_input_dim": 32, "projector_output_dim": 32,
+                                                     "pixel_shuffle_ratio": 0.5}
+    cfg = AutoConfig.for_model("llama4", text_config=text, vision_config=vision, image_token_index=IMAGE,
+                               boi_token_index=104, eoi_token_index=105)
+    ids, labels = _ids(4)
+    return cfg, {"input_ids": ids, "labels": labels,
+                 "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+
+
+def internvl():
+    """InternVL: InternViT (LayerNorms, no rotary), pixel shuffle by 0.5, and a Qwen2; 4 image tokens."""
+    from transformers import AutoConfig
+
+    vision = _vision_tower("internvl_vision") | {"image_size": [16, 16], "patch_size": [4, 4]}
+    cfg = AutoConfig.for_model("internvl", text_config={"model_type": "qwen2", **TEXT}, vision_config=vision,
+                               image_token_id=IMAGE, downsample_ratio=0.5)
+    ids, labels = _ids(4)
+    return cfg, {"input_ids": ids, "labels": labels,
+                 "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+
+
 VLMS = {"qwen2_vl": lambda: qwen_vl("qwen2_vl"), "qwen2_5_vl": lambda: qwen_vl("qwen2_5_vl"),
         "qwen3_vl": lambda: qwen_vl("qwen3_vl"), "llava": llava, "gemma3": gemma3, "mistral3": mistral3,
-        "paligemma": paligemma}
+        "paligemma": paligemma, "smolvlm": smolvlm, "llama4": llama4, "internvl": internvl}

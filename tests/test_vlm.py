@@ -15,6 +15,9 @@ EXPECTED = {  # sites per pattern: (vision tower, language model) summed
     "gemma3": {"rms_norm": 14, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
     "mistral3": {"rms_norm": 11, "rope": 4, "swiglu": 4, "linear_cross_entropy": 1},
     "paligemma": {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
+    "smolvlm": {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
+    "llama4": {"rms_norm": 9, "rope": 4, "swiglu": 4, "linear_cross_entropy": 1},
+    "internvl": {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
 }
 # Graphs no backend compiles, which Dynamo then runs eagerly; they hold no site. AOTAutograd cannot
 # trace Qwen3-VL's DeepStack add, ``h[mask, :] = h[mask, :] + v`` (the backward of a boolean-mask
