@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._round import rne_by_bits
+
 
 @triton.jit
 def round_store(x, DTYPE: tl.constexpr, RNE_BY_BITS: tl.constexpr):
@@ -128,6 +130,14 @@ def store_pair(
         tl.store(a_ptr + r64 * stride_m + cols[None, :], x, mask=mask)
 
 
+def check_pair(op: str, gate: torch.Tensor, up: torch.Tensor) -> None:
+    """gate and up: one shape (with a last dim) and one dtype, or a ValueError naming fxfuse.<op>."""
+    if gate.dim() == 0:
+        raise ValueError(f"fxfuse.{op}: gate and up need a last dim (got 0-dim tensors)")
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"fxfuse.{op}: gate {gate.shape}/{gate.dtype} and up {up.shape}/{up.dtype} differ")
+
+
 def rows(t: torch.Tensor) -> torch.Tensor:
     """[..., I] -> an [M, I] view (any strides); copies only if the leading dims do not merge."""
     try:
@@ -231,3 +241,36 @@ def launch_config(m: int, n: int, max_tile: int) -> tuple[tuple[int, int], int, 
     bn = _block_n(n, max_tile)
     bm = _block_m(bn, max_tile)
     return _launch_grid(m, n, bm, bn), bm, bn, _num_warps(bm, bn)
+
+
+def _rne_bf16(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bfloat16 and rne_by_bits(t.device)  # round_store's bit path is bf16 only
+
+
+def launch_forward(kernel, gate: torch.Tensor, up: torch.Tensor, scalars: tuple, max_tile: int,
+                   **constexprs) -> torch.Tensor:
+    """out: contiguous [..., I] in gate's dtype, from a gated forward kernel whose arguments are
+    (gate, up, out pointers, M, I, gate's and up's strides, *scalars) and the constexprs PAIR,
+    RNE_BY_BITS, BLOCK_M, BLOCK_N plus the op's own."""
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel() == 0:
+        return out
+    g2, u2 = rows(gate), rows(up)
+    ins, pair_code = pair(g2, u2)
+    m, n = g2.shape
+    grid, bm, bn, num_warps = launch_config(m, n, max_tile)
+    kernel[grid](*ins[:2], out, m, n, *ins[2:], *scalars, PAIR=pair_code, RNE_BY_BITS=_rne_bf16(out),
+                 BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps, **constexprs)
+    return out
+
+
+def launch_backward(kernel, grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: torch.Tensor,
+                    dup: torch.Tensor, need_dgate: bool, need_dup: bool, scalars: tuple, max_tile: int,
+                    **constexprs) -> None:
+    """Runs a gated backward kernel whose arguments are backward_args's then *scalars, with the
+    constexprs PAIR, OUT_PAIR, READ_BEFORE_WRITE, NEED_DGATE, NEED_DUP, RNE_BY_BITS, BLOCK_M, BLOCK_N
+    plus the op's own; it writes dgate and / or dup."""
+    args, layouts, m, n = backward_args(grad_out, gate, up, dgate, dup, need_dgate, need_dup)
+    grid, bm, bn, num_warps = launch_config(m, n, max_tile)
+    kernel[grid](*args, *scalars, **layouts, NEED_DGATE=need_dgate, NEED_DUP=need_dup, RNE_BY_BITS=_rne_bf16(gate),
+                 BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps, **constexprs)

@@ -35,8 +35,9 @@ from triton.language.extra import libdevice
 
 from ._dispatch import register_autograd
 from ._round import round_code, round_ref, round_to
-from ._gated import backward_args, copy_outputs, launch_config, load_pair, load_tile, pair, rows, store_out, store_pair
-from .swiglu import _ACT_ID, _max_tile, _on_triton, _rne_by_bits
+from ._gated import (check_pair, copy_outputs, launch_backward, launch_forward, load_pair, load_tile, store_out,
+                     store_pair)
+from .swiglu import _ACT_ID, _max_tile, _on_triton
 
 
 @triton.jit
@@ -156,10 +157,7 @@ def _sigmoid_bwd_steps(t: torch.Tensor) -> bool:
 
 
 def _check_args(gate: torch.Tensor, up: torch.Tensor, limit: float) -> None:
-    if gate.dim() == 0:
-        raise ValueError("fxfuse.clamped_swiglu: gate and up need a last dim (got 0-dim tensors)")
-    if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"fxfuse.clamped_swiglu: gate {gate.shape}/{gate.dtype} and up {up.shape}/{up.dtype} differ")
+    check_pair("clamped_swiglu", gate, up)
     if not limit >= 0:
         raise ValueError(f"fxfuse.clamped_swiglu: limit must be >= 0, got {limit}")
 
@@ -185,19 +183,8 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     _check_args(gate, up, limit)
     if not _on_triton(gate):
         return _clamped_swiglu_reference(gate, up, alpha, limit, round_act)
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    if out.numel() == 0:
-        return out
-    g2, u2 = rows(gate), rows(up)
-    ins, pair_code = pair(g2, u2)
-    m, n = g2.shape
-    grid, bm, bn, num_warps = launch_config(m, n, _MAX_TILE)
-    _clamped_swiglu_fwd_kernel[grid](
-        *ins[:2], out, m, n, *ins[2:], alpha, limit, PAIR=pair_code,
-        ROUND=round_code(gate.dtype, round_act), RNE_BY_BITS=_rne_by_bits(out), LIBDEVICE=gate.is_cuda,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
-    )
-    return out
+    return launch_forward(_clamped_swiglu_fwd_kernel, gate, up, (alpha, limit), _MAX_TILE,
+                          ROUND=round_code(gate.dtype, round_act), LIBDEVICE=gate.is_cuda)
 
 
 def clamped_swiglu_backward_into(
@@ -212,13 +199,9 @@ def clamped_swiglu_backward_into(
     if not _on_triton(gate):
         ref = _clamped_swiglu_backward_reference(grad_out, gate, up, alpha, limit, need_dgate, need_dup, round_act)
         return copy_outputs((dgate, dup), ref, (need_dgate, need_dup))
-    args, layouts, m, n = backward_args(grad_out, gate, up, dgate, dup, need_dgate, need_dup)
-    grid, bm, bn, num_warps = launch_config(m, n, _MAX_TILE)
-    _clamped_swiglu_bwd_kernel[grid](
-        *args, alpha, limit, **layouts, NEED_DGATE=need_dgate, NEED_DUP=need_dup,
-        ROUND=round_code(gate.dtype, round_act), RNE_BY_BITS=_rne_by_bits(gate), LIBDEVICE=gate.is_cuda,
-        SIG_STEPS=_sigmoid_bwd_steps(gate), BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
-    )
+    launch_backward(_clamped_swiglu_bwd_kernel, grad_out, gate, up, dgate, dup, need_dgate, need_dup, (alpha, limit),
+                    _MAX_TILE, ROUND=round_code(gate.dtype, round_act), LIBDEVICE=gate.is_cuda,
+                    SIG_STEPS=_sigmoid_bwd_steps(gate))
 
 
 def clamped_swiglu_backward(

@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from ._dispatch import register_autograd, use_triton
-from ._gated import backward_args, copy_outputs, launch_config, load_pair, load_tile, pair, rows, store_out, store_pair
-from ._round import rne_by_bits, round_code, round_ref, round_to
+from ._gated import copy_outputs, launch_backward, launch_forward, load_pair, load_tile, store_out, store_pair
+from ._round import round_code, round_ref, round_to
 
 ACTS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 _ACT_ID = {name: i for i, name in enumerate(ACTS)}
@@ -161,10 +161,6 @@ def _max_tile(act_id: int) -> int:
     return 2048 if act_id == _ACT_ID["gelu"] else 8192
 
 
-def _rne_by_bits(t: torch.Tensor) -> bool:
-    return t.dtype == torch.bfloat16 and rne_by_bits(t.device)  # round_store's bit path is bf16 only
-
-
 def _check_act(act: str) -> int:
     if act not in _ACT_ID:
         raise ValueError(f"fxfuse.swiglu: act must be one of {ACTS}, got {act!r}")
@@ -201,19 +197,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = Fal
     act_id = _check_args(gate, up, act)
     if not _on_triton(gate):
         return _swiglu_reference(gate, up, act, round_act)
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    if out.numel() == 0:
-        return out
-    g2, u2 = rows(gate), rows(up)
-    ins, pair_code = pair(g2, u2)
-    m, n = g2.shape
-    grid, bm, bn, num_warps = launch_config(m, n, _max_tile(act_id))
-    _swiglu_fwd_kernel[grid](
-        *ins[:2], out, m, n, *ins[2:], PAIR=pair_code,
-        ACT=act_id, ROUND_ACT=round_code(gate.dtype, round_act), RNE_BY_BITS=_rne_by_bits(out),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
-    )
-    return out
+    return launch_forward(_swiglu_fwd_kernel, gate, up, (), _max_tile(act_id), ACT=act_id,
+                          ROUND_ACT=round_code(gate.dtype, round_act))
 
 
 def swiglu_backward_into(
@@ -228,14 +213,8 @@ def swiglu_backward_into(
     if not _on_triton(gate):
         ref = _swiglu_backward_reference(grad_out, gate, up, act, need_dgate, need_dup, round_act)
         return copy_outputs((dgate, dup), ref, (need_dgate, need_dup))
-    args, layouts, m, n = backward_args(grad_out, gate, up, dgate, dup, need_dgate, need_dup)
-    grid, bm, bn, num_warps = launch_config(m, n, _max_tile(act_id))
-    _swiglu_bwd_kernel[grid](
-        *args, **layouts,
-        ACT=act_id, NEED_DGATE=need_dgate, NEED_DUP=need_dup, ROUND_ACT=round_code(gate.dtype, round_act),
-        RNE_BY_BITS=_rne_by_bits(gate),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps,
-    )
+    launch_backward(_swiglu_bwd_kernel, grad_out, gate, up, dgate, dup, need_dgate, need_dup, (), _max_tile(act_id),
+                    ACT=act_id, ROUND_ACT=round_code(gate.dtype, round_act))
 
 
 def swiglu_backward(
