@@ -70,6 +70,10 @@ HF_ZOO: dict[str, dict] = {
     # Mamba-1 mixers (their scan output times silu(gate) is a gated site); on CPU the selective scan is
     # torch's associative_scan in generic mode, traced through torch.vmap (kept as written, opaque.py)
     "mamba": {}, "falcon_mamba": {}, "jamba": {},
+    # Inkling 2: softcapped SwiGLU experts (fxfuse::softcapped_swiglu); 4 experts, an lm_head of TINY's
+    # vocabulary (its default pads the logits to 200058), relative-position heads at TINY's scale
+    "inkling2_text": {"n_routed_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
+                      "moe_intermediate_size": 16, "swa_head_dim": 8, "unpadded_vocab_size": 96},
 }
 
 # (architecture, pattern) -> why the site is not fused; the harness records these as gaps

@@ -1,5 +1,6 @@
 """Gated-MLP activation: ``act(gate) * up`` with act silu / gelu / gelu-tanh / relu / relu^2, and
-gpt-oss's clamped SwiGLU (its own op, ``fxfuse::clamped_swiglu``).
+gpt-oss's clamped SwiGLU and Inkling 2's softcapped one (their own ops, ``fxfuse::clamped_swiglu``,
+``fxfuse::softcapped_swiglu``).
 
 The fused op covers the activation and the product, not the matmuls: gate and up may come from two
 linears, from one fused linear split by ``chunk`` / ``split`` / slicing (Phi-3's gate_up_proj, in
@@ -14,7 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxfuse.canon_rules import logistic_denominator, val
+from fxfuse.canon_rules import CASTS, logistic_denominator, val
 from fxfuse.pattern import Pattern, Variant
 
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,7 +62,19 @@ def swiglu_clamped_gpt_oss(gate, up, alpha, limit, low):
     return (up + 1) * glu
 
 
+def swiglu_softcapped_inkling2(gate, up, gate_cap, up_cap):
+    """Inkling 2 (HF Inkling2SoftcappedSwiGLU, its experts on ``gate_up.chunk(2, -1)``): the sigmoid
+    sees the raw gate, softcaps bound the linear gate factor and up; fp32 math, cast back."""
+    dtype = gate.dtype
+    gate, up = gate.float(), up.float()
+    return (torch.tanh(gate / gate_cap) * gate_cap * torch.sigmoid(gate) * (torch.tanh(up / up_cap) * up_cap)).to(dtype)
+
+
 def check(m) -> str | None:
+    if "gate_cap" in m.scalars:
+        reason = _check_softcapped(m)
+        if reason:
+            return reason
     if "limit" in m.scalars:
         reason = _check_clamped(m.scalars)
         if reason:
@@ -89,10 +102,26 @@ def _check_clamped(scalars: dict) -> str | None:
     return None
 
 
+def _check_softcapped(m) -> str | None:
+    caps = (m.scalars["gate_cap"], m.scalars["up_cap"])
+    if not all(isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in caps):
+        return f"softcaps {caps} are not positive literal numbers"
+    g = val(m.inputs["gate"])
+    upcast = any(n.target in CASTS and val(n) is not None and val(n).dtype == torch.float32 for n in m.region)
+    if g is not None and g.dtype != torch.float32 and not upcast:
+        return (f"softcapped SwiGLU computed in {g.dtype}: the fused kernel computes in fp32, as Inkling's "
+                ".float() does, and would not round as this graph does")
+    return None
+
+
 def lower(m, graph: fx.Graph, opts) -> fx.Node:
+    import fxfuse.kernels.softcapped_swiglu  # noqa: F401  registers fxfuse::softcapped_swiglu
     import fxfuse.kernels.swiglu_packed  # noqa: F401  registers every gated-MLP op (imports the other two)
 
     ops = torch.ops.fxfuse
+    if "gate_cap" in m.scalars:  # one rounding at the store: nothing for numerics="eager" to reproduce
+        caps = (float(m.scalars["gate_cap"]), float(m.scalars["up_cap"]))
+        return graph.call_function(ops.softcapped_swiglu.default, (m.inputs["gate"], m.inputs["up"], *caps))
     clamped = "limit" in m.scalars
     act = (float(m.scalars["alpha"]), float(m.scalars["limit"])) if clamped else (m.consts["act"],)
     packed = packed_source(m.inputs["gate"], m.inputs["up"])
@@ -234,8 +263,9 @@ def _miss_reason(n: fx.Node) -> str | None:
         return ("gate * sigmoid(alpha * gate) not in gpt-oss's clamped form (gate.clamp(max=limit), "
                 "up.clamp(-limit, limit), (up + 1) * glu), the only spelling the fused kernel computes")
     if n.target == torch.ops.aten.sigmoid.default and _transformed_self_gate(n):
-        return ("sigmoid(gate) times a function of gate other than gate itself (a softcapped SwiGLU: "
-                "c * tanh(gate / c) * sigmoid(gate)); no fused kernel computes that gate")
+        return ("sigmoid(gate) times a function of gate other than gate itself, not in Inkling 2's softcapped "
+                "form (c * tanh(gate / c) * sigmoid(gate) * k * tanh(up / k)), the one such gate a fused kernel "
+                "computes")
     return None
 
 
@@ -250,6 +280,7 @@ PATTERN = Pattern(
         Variant(reglu, {"act": "relu"}),
         Variant(reglu_squared_bitnet, {"act": "relu2"}),
         Variant(swiglu_clamped_gpt_oss, {"act": "clamped_swiglu"}),
+        Variant(swiglu_softcapped_inkling2, {"act": "softcapped_swiglu"}),
     ),
     shapes={"gate": (2, 3, 22), "up": (2, 3, 22)},
     dtypes=({"gate": _bf, "up": _bf}, {"gate": _f32, "up": _f32}),

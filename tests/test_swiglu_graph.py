@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxfuse
-from helpers import batch, compiled_parity, count_calls, hf_model
+from helpers import batch, compiled_parity, count_calls, hf_model, rel_err
 
 FP32_TOL = 1e-5
 
@@ -257,17 +257,63 @@ def test_unclamped_scaled_gate_is_reported():
     assert "gpt-oss's clamped form" in site.reason, site.reason
 
 
-def test_softcapped_gate_is_reported():
-    """Inkling's softcapped SwiGLU, c * tanh(gate / c) * sigmoid(gate) * c' * tanh(up / c'), is no
-    spelling a fused kernel computes: reported unmatched with the reason, not passed over silently."""
+def _inkling(gate_cap=20.0, up_cap=30.0, upcast=True):
     def mlp(gate, up):
-        gate, up = gate.float(), up.float()
-        return (torch.tanh(gate / 20.0) * 20.0 * torch.sigmoid(gate) * (torch.tanh(up / 30.0) * 30.0)).sum()
+        dtype = gate.dtype
+        if upcast:
+            gate, up = gate.float(), up.float()
+        return (torch.tanh(gate / gate_cap) * gate_cap * torch.sigmoid(gate) * (torch.tanh(up / up_cap) * up_cap)).to(dtype)
+    return mlp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcapped_swiglu_inkling2_fused_with_parity(dtype):
+    """Inkling 2's softcapped SwiGLU (fp32 math after .float()) becomes fxfuse::softcapped_swiglu: the
+    output and both gradients match eager in fp32 (< 1e-5); in bf16 they are no further from an fp64
+    run than 2x eager's own bf16 result."""
+    torch.manual_seed(0)
+    g, u = (torch.randn(3, 7, 40) * 8 for _ in range(2))
+    mlp = _inkling()
+
+    def fn(g, u):
+        return (mlp(g, u).float() * torch.linspace(-1, 1, 40)).sum()
+
+    def run(call, dt):
+        a, b = (t.to(dt).requires_grad_() for t in (g, u))
+        out = call(a, b)
+        out.backward()
+        return out.detach(), a.grad, b.grad
+
+    ref = run(fn, torch.float64 if dtype != torch.float32 else dtype)
+    base = run(fn, dtype)
+    torch._dynamo.reset()
+    got = run(torch.compile(fn, backend="fxfuse", options={"inner": "aot_eager"}), dtype)
+    report = fxfuse.last_report()
+    assert [s.variant for s in report.matched] == ["swiglu_softcapped_inkling2"], str(report)
+    for x, e, r in zip(got, base, ref):
+        assert rel_err(x, r) < 1e-5 if dtype == torch.float32 else rel_err(x, r) <= 2 * rel_err(e, r)
+
+
+def test_softcapped_swiglu_without_upcast_is_reported():
+    """The same gate computed in bf16 (no .float()): eager rounds after every op, the fp32 kernel would
+    not; unmatched with that reason."""
+    report = fxfuse.explain(lambda g, u: _inkling(upcast=False)(g, u).sum(),
+                            *(torch.randn(3, 16, dtype=torch.bfloat16) for _ in range(2)))
+    assert report.counts()["swiglu"] == 0
+    (site,) = [s for s in report.unmatched if s.pattern == "swiglu"]
+    assert "computed in torch.bfloat16" in site.reason, site.reason
+
+
+def test_other_transformed_gate_is_reported():
+    """A softcapped gate times an uncapped up, c * tanh(gate / c) * sigmoid(gate) * up, is no spelling
+    a fused kernel computes: reported unmatched with the reason, not passed over silently."""
+    def mlp(gate, up):
+        return (torch.tanh(gate / 20.0) * 20.0 * torch.sigmoid(gate) * up).sum()
 
     report = fxfuse.explain(mlp, torch.randn(3, 16), torch.randn(3, 16))
     assert report.counts()["swiglu"] == 0
     (site,) = [s for s in report.unmatched if s.pattern == "swiglu"]
-    assert "softcapped SwiGLU" in site.reason, site.reason
+    assert "not in Inkling 2's softcapped form" in site.reason, site.reason
 
 
 def joint_graphs(model: nn.Module, inputs: dict, loss_fn=lambda out: out.loss):
