@@ -61,13 +61,21 @@ def is_gated_mlp(m: nn.Module) -> bool:
     JetMoE's MoE (input_linear to both halves, its activation; its attention experts have no activation);
     a gated RMSNorm with a SiLU gate (silu(gate) * normed x; Kimi Linear's sigmoid gate is no site);
     xLSTM's proj_up_gate / proj_up; ModernBERT's Wi packing both halves (twice Wo's input width);
-    a Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba: its scan output times silu(gate))."""
+    a Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba: its scan output times silu(gate)), and a Mamba-2 one
+    without a gated RMSNorm (_ungated_norm_mixer)."""
     names = _names(m)
     return ({"gate_proj", "up_proj"} <= names or "gate_up_proj" in names or {"w1", "w3"} <= names
             or {"w1", "v1"} <= names or "per_layer_input_gate" in names or {"proj_up_gate", "proj_up"} <= names
             or {"input_linear", "output_linear", "activation"} <= names or _packed_in_out(m)
-            or {"in_proj", "x_proj", "dt_proj", "out_proj"} <= names
+            or {"in_proj", "x_proj", "dt_proj", "out_proj"} <= names or _ungated_norm_mixer(m)
             or (type(m).__name__.lower().endswith("rmsnormgated") and getattr(m, "activation", "silu") == "silu"))
+
+
+def _ungated_norm_mixer(m: nn.Module) -> bool:
+    """A Mamba-2 style mixer (in_proj, conv1d, out_proj, A_log) whose output gate is no gated RMSNorm
+    (Falcon-H1 without mamba_rms_norm: ``scan_output * silu(gate)``); with one, the norm is the site."""
+    names = _names(m)
+    return {"in_proj", "conv1d", "out_proj", "a_log"} <= names and not any(_rms_norm_class(c) for c in m.children())
 
 
 def _packed_in_out(m: nn.Module) -> bool:

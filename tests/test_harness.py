@@ -111,6 +111,9 @@ def _module(cls_name: str, children=(), params=(), **attrs) -> nn.Module:
     (_module("AXK2Indexer", ["wq_b", "wk", "k_norm", "weights_proj"]), False, False, True),  # rotates its q, k
     (_module("MiniCPM5MoeAttention", ["q_gate_proj", "k_proj", "v_proj", "o_proj"]), False, False, True),
     (_module("xLSTMFeedForward", ["proj_up_gate", "proj_up", "proj_down", "act_fn"]), False, True, False),
+    (_module("MambaMixer", ["in_proj", "conv1d", "x_proj", "dt_proj", "out_proj"], ["A_log", "D"]), False, True, False),
+    (_module("FalconH1Mixer", ["in_proj", "conv1d", "out_proj", "norm"], ["A_log", "D"]), False, True, False),
+    (_module("Qwen2_5_VLVisionAttention", ["qkv", "proj"]), False, False, True),
 ])
 def test_site_rules_by_name(mod, rms, gated, attention):
     assert (is_rms_norm(mod), is_gated_mlp(mod), is_attention(mod)) == (rms, gated, attention)
@@ -151,3 +154,24 @@ def test_a_wrapper_around_an_rms_norm_is_not_a_site_of_its_own():
     wrapper = _module("AXK2GatedRMSNorm")
     wrapper.add_module("norm", _module("AXK2RMSNorm", params=["weight"]))
     assert not is_rms_norm(wrapper) and is_rms_norm(wrapper.norm)
+
+
+def test_a_mamba2_mixer_with_a_gated_norm_is_not_a_second_site():
+    """Mamba-2 / Bamba gate their scan output inside a gated RMSNorm: the norm is the site, not the mixer."""
+    mixer = _module("Mamba2Mixer", ["in_proj", "conv1d", "out_proj"], ["A_log", "D"])
+    mixer.norm = _module("MambaRMSNormGated", params=["weight"])
+    assert not is_gated_mlp(mixer)
+
+
+def test_rope_sites_per_tower():
+    """An attention module is a RoPE site only when its own tower (the innermost HF PreTrainedModel
+    holding it) has a rotary embedding: a VLM's CLIP attention is none, its language model's is."""
+    from transformers import AutoModelForImageTextToText
+
+    from fxfuse.zoo_vlm import llava
+
+    cfg, inputs = llava()
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(cfg)
+    assert sum(is_attention(m) for m in model.modules()) == 4  # 2 CLIP + 2 Llama layers
+    assert expected_sites(model, inputs, True)["rope"] == 2
