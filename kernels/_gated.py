@@ -274,3 +274,32 @@ def launch_backward(kernel, grad_out: torch.Tensor, gate: torch.Tensor, up: torc
     grid, bm, bn, num_warps = launch_config(m, n, max_tile)
     kernel[grid](*args, *scalars, **layouts, NEED_DGATE=need_dgate, NEED_DUP=need_dup, RNE_BY_BITS=_rne_bf16(gate),
                  BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps, **constexprs)
+
+
+class GatedFunction(torch.autograd.Function):
+    """Autograd of an unpacked gated op ``forward_op(gate, up, *args)`` whose ``backward_op`` takes
+    ``(grad_out, gate, up, *args[:flags_at], need_dgate, need_dup, *args[flags_at:])`` and returns
+    (dgate, dup); saves only gate and up (views of gate_up stay views; the activation is recomputed).
+    Each op subclasses it with its two ops and flags_at (swiglu_packed.py's _PackedFunction, for
+    the packed ops, is its twin)."""
+
+    forward_op = backward_op = None
+    flags_at = 0
+
+    @classmethod
+    def forward(cls, ctx, gate, up, *args):
+        ctx.save_for_backward(gate, up)
+        ctx.args = args
+        with torch._C._AutoDispatchBelowAutograd():
+            return cls.forward_op(gate, up, *args)
+
+    @classmethod
+    def backward(cls, ctx, grad_out):
+        gate, up = ctx.saved_tensors
+        need_dgate, need_dup = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        rest = (None,) * len(ctx.args)
+        if not (need_dgate or need_dup):
+            return (None, None, *rest)
+        k = cls.flags_at
+        dgate, dup = cls.backward_op(grad_out, gate, up, *ctx.args[:k], need_dgate, need_dup, *ctx.args[k:])
+        return (dgate if need_dgate else None, dup if need_dup else None, *rest)

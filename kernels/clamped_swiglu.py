@@ -35,8 +35,8 @@ from triton.language.extra import libdevice
 
 from ._dispatch import register_autograd
 from ._round import round_code, round_ref, round_to
-from ._gated import (check_pair, copy_outputs, launch_backward, launch_forward, load_pair, load_tile, store_out,
-                     store_pair)
+from ._gated import (GatedFunction, check_pair, copy_outputs, launch_backward, launch_forward,
+                     load_pair, load_tile, store_out, store_pair)
 from .swiglu import _ACT_ID, _max_tile, _on_triton
 
 
@@ -245,25 +245,8 @@ _OP = torch.ops.fxfuse.clamped_swiglu.default
 _OP_BACKWARD = torch.ops.fxfuse.clamped_swiglu_backward.default
 
 
-class _ClampedSwiGLUFunction(torch.autograd.Function):
-    """Autograd of fxfuse::clamped_swiglu; saves only gate and up (views of gate_up stay views)."""
-
-    @staticmethod
-    def forward(ctx, gate, up, alpha, limit, round_act=False):
-        ctx.save_for_backward(gate, up)
-        ctx.args = (alpha, limit)
-        ctx.round_act = round_act
-        with torch._C._AutoDispatchBelowAutograd():
-            return _OP(gate, up, alpha, limit, round_act)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        gate, up = ctx.saved_tensors
-        need_dgate, need_dup = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_dgate or need_dup):
-            return None, None, None, None, None
-        dgate, dup = _OP_BACKWARD(grad_out, gate, up, *ctx.args, need_dgate, need_dup, ctx.round_act)
-        return (dgate if need_dgate else None), (dup if need_dup else None), None, None, None
+class _ClampedSwiGLUFunction(GatedFunction):
+    forward_op, backward_op, flags_at = _OP, _OP_BACKWARD, 2  # (alpha, limit, need_dgate, need_dup, round_act)
 
 
 register_autograd(_lib, "clamped_swiglu", _OP, _ClampedSwiGLUFunction)

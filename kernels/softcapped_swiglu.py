@@ -25,8 +25,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ._dispatch import register_autograd
-from ._gated import (check_pair, copy_outputs, launch_backward, launch_forward, load_pair, load_tile, store_out,
-                     store_pair)
+from ._gated import (GatedFunction, check_pair, copy_outputs, launch_backward, launch_forward,
+                     load_pair, load_tile, store_out, store_pair)
 from .clamped_swiglu import _sigmoid
 from .swiglu import _ACT_ID, _max_tile, _on_triton
 
@@ -192,24 +192,8 @@ _OP = torch.ops.fxfuse.softcapped_swiglu.default
 _OP_BACKWARD = torch.ops.fxfuse.softcapped_swiglu_backward.default
 
 
-class _SoftcappedSwiGLUFunction(torch.autograd.Function):
-    """Autograd of fxfuse::softcapped_swiglu; saves only gate and up (views of gate_up stay views)."""
-
-    @staticmethod
-    def forward(ctx, gate, up, gate_cap, up_cap):
-        ctx.save_for_backward(gate, up)
-        ctx.caps = (gate_cap, up_cap)
-        with torch._C._AutoDispatchBelowAutograd():
-            return _OP(gate, up, gate_cap, up_cap)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        gate, up = ctx.saved_tensors
-        need_dgate, need_dup = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_dgate or need_dup):
-            return None, None, None, None
-        dgate, dup = _OP_BACKWARD(grad_out, gate, up, *ctx.caps, need_dgate, need_dup)
-        return (dgate if need_dgate else None), (dup if need_dup else None), None, None
+class _SoftcappedSwiGLUFunction(GatedFunction):
+    forward_op, backward_op, flags_at = _OP, _OP_BACKWARD, 2  # (gate_cap, up_cap, need_dgate, need_dup)
 
 
 register_autograd(_lib, "softcapped_swiglu", _OP, _SoftcappedSwiGLUFunction)

@@ -39,7 +39,8 @@ import triton
 import triton.language as tl
 
 from ._dispatch import register_autograd, use_triton
-from ._gated import copy_outputs, launch_backward, launch_forward, load_pair, load_tile, store_out, store_pair
+from ._gated import (GatedFunction, copy_outputs, launch_backward, launch_forward, load_pair,
+                     load_tile, store_out, store_pair)
 from ._round import round_code, round_ref, round_to
 
 ACTS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
@@ -261,24 +262,8 @@ _SWIGLU = torch.ops.fxfuse.swiglu.default
 _SWIGLU_BACKWARD = torch.ops.fxfuse.swiglu_backward.default
 
 
-class _SwiGLUFunction(torch.autograd.Function):
-    """Autograd of fxfuse::swiglu; saves only gate and up (act(gate) is recomputed in backward)."""
-
-    @staticmethod
-    def forward(ctx, gate, up, act, round_act=False):
-        ctx.save_for_backward(gate, up)
-        ctx.act, ctx.round_act = act, round_act
-        with torch._C._AutoDispatchBelowAutograd():
-            return _SWIGLU(gate, up, act, round_act)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        gate, up = ctx.saved_tensors
-        need_dgate, need_dup = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_dgate or need_dup):
-            return None, None, None, None
-        dgate, dup = _SWIGLU_BACKWARD(grad_out, gate, up, ctx.act, need_dgate, need_dup, ctx.round_act)
-        return (dgate if need_dgate else None), (dup if need_dup else None), None, None
+class _SwiGLUFunction(GatedFunction):
+    forward_op, backward_op, flags_at = _SWIGLU, _SWIGLU_BACKWARD, 1  # (act, need_dgate, need_dup, round_act)
 
 
 register_autograd(_lib, "swiglu", _SWIGLU, _SwiGLUFunction)
