@@ -69,7 +69,7 @@ def check_retraceable(gm: fx.GraphModule) -> None:
     unfused. Plain activation checkpointing is inlined with its recompute tags before this check
     (checkpoint.py)."""
     for n in gm.graph.nodes:
-        if n.op == "call_function" and getattr(n.target, "__name__", "") == "_vmap_increment_nesting":
+        if opaque.enters_vmap(n):
             # outline_vmaps moves every whole region into a call: one left is unbalanced
             raise Unsupported(f"torch.vmap ({n.name}): its batched tensors do not survive the re-trace")
         if n.op == "call_function" and (opaque.is_kept(n) or isinstance(n.target, torch._ops.HigherOrderOperator)):

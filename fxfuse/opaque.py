@@ -77,16 +77,24 @@ def is_kept(n: fx.Node) -> bool:
         isinstance(n.target, torch._ops.HigherOrderOperator) and n.target.__name__ in KEPT))
 
 
+def _functorch_call(n: fx.Node) -> str:
+    return getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+
+
+def enters_vmap(n: fx.Node) -> bool:
+    """n opens a torch.vmap region (Dynamo inlines vmap between these and their decrements)."""
+    return _functorch_call(n) == "_vmap_increment_nesting"
+
+
 def _vmap_regions(graph: fx.Graph) -> list[list[fx.Node]]:
     """The nodes of each outermost vmap region, increment to decrement, in graph order."""
     regions, depth, start = [], 0, None
     nodes = list(graph.nodes)
     for i, n in enumerate(nodes):
-        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
-        if name == "_vmap_increment_nesting":
+        if enters_vmap(n):
             start = i if depth == 0 else start
             depth += 1
-        elif name == "_vmap_decrement_nesting" and depth:
+        elif _functorch_call(n) == "_vmap_decrement_nesting" and depth:
             depth -= 1
             if depth == 0:
                 regions.append(nodes[start:i + 1])
@@ -97,7 +105,7 @@ def outline_vmaps(gm: fx.GraphModule) -> fx.GraphModule:
     """gm with each outermost vmap region replaced by one call of a VmapRegion on the region's inputs,
     its outputs read by getitem. gm is not modified: the result is a new GraphModule over a copy of
     its graph (gm itself when it holds no region), sharing gm's parameters and submodules."""
-    if not _vmap_regions(gm.graph):
+    if not any(enters_vmap(n) for n in gm.graph.nodes):
         return gm
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
