@@ -3,6 +3,7 @@
     python bench/bench_swiglu.py [--shapes 16384x14336 8192x8192] [--act silu] [--chunked]
     python bench/bench_swiglu.py --act clamped_swiglu --shapes 65536x2880   # gpt-oss experts
     python bench/bench_swiglu.py --interleaved --round-act --shapes 65536x2880 --cuda-graph
+    python bench/bench_swiglu.py --act softcapped_swiglu --chunked --shapes 65536x1024   # Inkling 2 experts
 
 --act clamped_swiglu is gpt-oss's activation (alpha 1.702, limit 7) on its layout, gate and up
 interleaved in one [M, 2I] tensor (gate_up[..., ::2], gate_up[..., 1::2]); --chunked takes gate and
@@ -10,6 +11,8 @@ up as the halves of one [M, 2I] tensor (Phi-3), --interleaved as gpt-oss's colum
 layouts the gradient is that of the [M, 2I] tensor, and fxfuse runs the op its backend emits there
 (fxfuse::swiglu_packed / clamped_swiglu_packed: d gate_up written by the kernel, no scatter of dg
 and du into it). --round-act: fxfuse rounds as under the backend's default numerics="eager".
+--act softcapped_swiglu is Inkling 2's (gate cap 4, up cap 25, fp32 math as its ``.float()``); its op
+reads chunked halves in place and writes separate dgate and dup, as the backend emits it.
 
 Each case times ``out = act(g) * u`` and its backward (``torch.autograd.grad``, so no gradient
 accumulation traffic) and reports GB/s from ``swiglu_bytes`` against the measured copy ceiling.
@@ -37,6 +40,7 @@ def swiglu_bytes(m: int, i: int, element_size: int) -> int:
 
 
 GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
+INKLING_GATE_CAP, INKLING_UP_CAP = 4.0, 25.0  # Inkling2Config's mlp_gate_softcap, mlp_up_softcap defaults
 
 
 def eager_swiglu(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
@@ -44,6 +48,10 @@ def eager_swiglu(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
         g = g.clamp(min=None, max=GPT_OSS_LIMIT)
         u = u.clamp(min=-GPT_OSS_LIMIT, max=GPT_OSS_LIMIT)
         return (u + 1) * (g * torch.sigmoid(g * GPT_OSS_ALPHA))
+    if act == "softcapped_swiglu":  # HF Inkling2SoftcappedSwiGLU on its fp32 upcast
+        gf, uf = g.float(), u.float()
+        capped = torch.tanh(gf / INKLING_GATE_CAP) * INKLING_GATE_CAP * torch.sigmoid(gf)
+        return (capped * (torch.tanh(uf / INKLING_UP_CAP) * INKLING_UP_CAP)).to(g.dtype)
     if act == "silu":
         return F.silu(g) * u
     return F.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none") * u
@@ -76,6 +84,13 @@ def _fxfuse_fn(act: str, layout: str, round_act: bool):
     import fxfuse.kernels.swiglu_packed  # noqa: F401  (registers the fxfuse swiglu ops)
 
     ops = torch.ops.fxfuse
+    if act == "softcapped_swiglu":
+        import fxfuse.kernels.softcapped_swiglu  # noqa: F401
+
+        caps = INKLING_GATE_CAP, INKLING_UP_CAP
+        if layout == "separate":
+            return lambda g, u: ops.softcapped_swiglu(g, u, *caps)
+        return lambda gu: ops.softcapped_swiglu(*_halves(gu, layout), *caps)
     if layout == "separate":
         return lambda g, u: ops.swiglu(g, u, act, round_act)
     interleaved = layout == "interleaved"
@@ -165,7 +180,7 @@ def run(args) -> list[Row]:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="MxI per case (gate and up each MxI)")
-    parser.add_argument("--act", default="silu", choices=("silu", "gelu", "gelu_tanh", "clamped_swiglu"))
+    parser.add_argument("--act", default="silu", choices=("silu", "gelu", "gelu_tanh", "clamped_swiglu", "softcapped_swiglu"))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--chunked", action="store_true", help="gate, up = gate_up.chunk(2, -1) of one [M, 2I] tensor")
     parser.add_argument("--interleaved", action="store_true",

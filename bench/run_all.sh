@@ -48,7 +48,7 @@ if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" gpu_tests "* ]]; then  # from 
   # folder (not the installed layout) never lands on the path
   mkdir -p /tmp/testroot && ln -sfn "$repo/tests" /tmp/testroot/tests
   # one process per file, each within BENCH_TIMEOUT
-  for t in test_gpu_kernels test_kernel_linear_cross_entropy_numerics test_checkpoint test_opaque; do
+  for t in test_gpu_kernels test_kernel_linear_cross_entropy_numerics test_checkpoint test_opaque test_zoo_gpu; do
     PYTHONPATH=$PYTHONPATH:/tmp/testroot FXFUSE_TEST_DEVICE=cuda timeout "${BENCH_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu \
       "$repo/tests/$t.py" 2>&1 | tee -a "$out/gpu_tests.log" | tail -3
   done

@@ -276,11 +276,14 @@ class Result:
 
 
 def check(name: str, build: Callable[[], nn.Module], inputs: dict, loss_of=lambda out: out.loss,
-          has_loss_head: bool = True, inner: str = "aot_eager", bf16_steps: int = BF16_STEPS) -> Result:
-    """Run the harness on the model build() returns (random weights, fp32, train mode)."""
+          has_loss_head: bool = True, inner: str = "aot_eager", bf16_steps: int = BF16_STEPS,
+          device: str = "cpu") -> Result:
+    """Run the harness on the model build() returns (random weights, fp32, train mode), moved with
+    inputs to device: on "cuda" the fused ops run their Triton kernels, on "cpu" their CPU path."""
     import fxfuse
 
-    model = build()
+    model = build().to(device)
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
     for m in model.modules():  # random dropout masks would differ between eager and compiled runs
         if isinstance(m, nn.Dropout):
             m.p = 0.0

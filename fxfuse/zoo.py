@@ -117,13 +117,13 @@ def without_randomness(cfg):
     return cfg
 
 
-def check_hf(spec: str, bf16_steps: int = 20, inner: str = "aot_eager", **overrides) -> Result:
+def check_hf(spec: str, bf16_steps: int = 20, inner: str = "aot_eager", device: str = "cpu", **overrides) -> Result:
     from transformers import AutoModelForCausalLM
 
     from .zoo_vlm import VLMS
 
     if spec in VLMS:
-        return check_vlm(spec, bf16_steps, inner, **overrides)
+        return check_vlm(spec, bf16_steps, inner, device, **overrides)
     cfg = without_randomness(hf_config(spec, **overrides))
 
     def build():
@@ -131,10 +131,10 @@ def check_hf(spec: str, bf16_steps: int = 20, inner: str = "aot_eager", **overri
         return AutoModelForCausalLM.from_config(cfg)
 
     name = spec if not spec.endswith(".json") else cfg.model_type
-    return check(name, build, hf_inputs(cfg.vocab_size), bf16_steps=bf16_steps, inner=inner)
+    return check(name, build, hf_inputs(cfg.vocab_size), bf16_steps=bf16_steps, inner=inner, device=device)
 
 
-def check_vlm(spec: str, bf16_steps: int = 20, inner: str = "aot_eager", **overrides) -> Result:
+def check_vlm(spec: str, bf16_steps: int = 20, inner: str = "aot_eager", device: str = "cpu", **overrides) -> Result:
     """A vision-language model of fxfuse.zoo_vlm trained on its batch with an image; overrides set
     fields of its top-level config."""
     from transformers import AutoModelForImageTextToText
@@ -150,7 +150,7 @@ def check_vlm(spec: str, bf16_steps: int = 20, inner: str = "aot_eager", **overr
         torch.manual_seed(0)
         return AutoModelForImageTextToText.from_config(cfg)
 
-    return check(spec, build, inputs, bf16_steps=bf16_steps, inner=inner)
+    return check(spec, build, inputs, bf16_steps=bf16_steps, inner=inner, device=device)
 
 
 def cell(r: Result, pattern: str) -> str:
@@ -203,7 +203,8 @@ def _override(text: str) -> tuple[str, object]:
 
 
 def check_cmd(args) -> int:
-    r = check_hf(args.model, bf16_steps=0 if args.no_train else 20, inner=args.inner, **dict(args.set))
+    r = check_hf(args.model, bf16_steps=0 if args.no_train else 20, inner=args.inner, device=args.device,
+                 **dict(args.set))
     print(json.dumps(r.to_dict(), indent=2) if args.json else summary(r))
     return 0 if r.passed or (args.no_train and not r.gaps and not r.false_matches and r.parity_ok) else 1
 
@@ -214,6 +215,8 @@ def register(sub) -> None:
                                  "qwen2_5_vl, gemma3, ..., trained with an image) or a config.json path")
     c.add_argument("--no-train", action="store_true", help="skip the 20 bf16 AdamW steps")
     c.add_argument("--inner", choices=["aot_eager", "inductor", "eager"], default="aot_eager")
+    c.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model runs (cuda: the fused ops run their Triton kernels; default cpu)")
     c.add_argument("--json", action="store_true")
     c.add_argument("--set", nargs="+", type=_override, default=[], metavar="KEY=VALUE",
                    help="config overrides on top of the tiny config (a value is read as JSON where it parses), "
@@ -224,12 +227,14 @@ def register(sub) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="run the HF zoo through the harness")
     p.add_argument("--markdown", action="store_true", help="print the coverage table")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--inner", choices=["aot_eager", "inductor", "eager"], default="aot_eager")
     p.add_argument("models", nargs="*", default=list(HF_ZOO))
     args = p.parse_args(argv)
     results = []
     for m in args.models:
         torch._dynamo.reset()
-        results.append(check_hf(m))
+        results.append(check_hf(m, inner=args.inner, device=args.device))
         print(summary(results[-1]), file=sys.stderr, flush=True)
     if args.markdown:
         print(markdown(results))

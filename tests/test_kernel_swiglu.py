@@ -214,3 +214,21 @@ def test_relu_rounds_as_eager(round_act):
     ref = grads(lambda a, b: eager(a, b, "relu"), g, u, dout)
     for x, r in zip(got, ref):
         torch.testing.assert_close(x, r, rtol=0, atol=0, equal_nan=True)
+
+
+def test_bench_softcapped_case_is_inklings_activation():
+    """bench_swiglu's softcapped_swiglu case: its eager function (Inkling 2's module on the halves of
+    gate_up) and the fxfuse op it times agree, value and gradient, on the chunked layout."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_swiglu.py"
+    spec = importlib.util.spec_from_file_location("bench_swiglu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    gu = (torch.randn(199, 66, generator=torch.Generator().manual_seed(0)) * 8).requires_grad_()
+    dout = torch.randn(199, 33, generator=torch.Generator().manual_seed(1))
+    fused = mod._fxfuse_fn("softcapped_swiglu", "chunked", False)
+    got = mod._fwd_bwd(fused, (gu,), dout)
+    ref = mod._fwd_bwd(lambda t: mod.eager_swiglu(*t.chunk(2, -1), "softcapped_swiglu"), (gu,), dout)
+    assert rel_err(got[0], ref[0]) < 1e-5 and rel_err(got[1], ref[1]) < 1e-5

@@ -1,0 +1,19 @@
+"""The harness on CUDA (``fxfuse check MODEL --device cuda --inner inductor``): every site of an
+architecture fused, the loss and every gradient at fp32 parity with eager, and 20 bf16 AdamW steps
+tracking eager's losses, with the fused ops running their compiled Triton kernels (on CPU they run
+under the interpreter). One model per pattern family: Llama (all four), Gemma 2 (Gemma's (1 + w)
+norm, GELU-tanh gate, softcapped loss head), Mamba (a gated norm mixer around a selective scan),
+Qwen2-VL (vision tower plus language model, 3-D RoPE)."""
+import pytest
+import torch
+
+from fxfuse.zoo import check_hf, summary
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "mamba", "qwen2_vl"])
+def test_zoo_model_on_cuda_with_inductor(model_type):
+    torch._dynamo.reset()
+    r = check_hf(model_type, inner="inductor", device="cuda")
+    assert r.passed, summary(r)
