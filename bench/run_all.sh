@@ -10,6 +10,9 @@
 #   bash bench/run_all.sh probe_rms_norm           # RMSNorm kernel-structure candidates, only when named
 #   bash bench/run_all.sh gpu_tests                # the gpu-marked tests (kernels on CUDA), only when named
 #   bash bench/run_all.sh fsdp2                    # 2-GPU FSDP2 step (examples/fsdp2_bench.py), only when named
+#   ZOO_INNER=inductor bash bench/run_all.sh zoo   # the harness on CUDA (fxfuse check --device cuda) over the HF
+#                                                  # zoo (ZOO_MODELS="llama qwen2 ..." for fewer), ZOO_JOBS processes
+#                                                  # at once (default 8); one log per model, only when named
 #                                                  # (FSDP_ARGS=--checkpointing: activation checkpointing too)
 # fxfuse is installed into /tmp/site (not editable: the image has no network for build deps) and
 # scripts run by path, so the repo's fxfuse/ folder never shadows the installed package.
@@ -65,4 +68,13 @@ if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" fsdp2 "* ]]; then
     timeout "${FSDP_TIMEOUT:-240}" python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
       "$repo/examples/fsdp2_bench.py" --impl "$impl" ${FSDP_ARGS:-} 2>&1 | tee -a "$out/fsdp2.log" | grep -v Warning
   done
+fi
+if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" zoo "* ]]; then
+  models=${ZOO_MODELS:-$(python3 -c "from fxfuse.zoo import HF_ZOO; print(' '.join(HF_ZOO))")}
+  echo "== zoo on cuda, inner ${ZOO_INNER:-aot_eager}: $models"
+  mkdir -p "$out/zoo"
+  # shellcheck disable=SC2086
+  printf '%s\n' $models | OMP_NUM_THREADS=2 xargs -P "${ZOO_JOBS:-8}" -I{} sh -c \
+    "timeout ${ZOO_TIMEOUT:-400} python3 -m fxfuse.cli check {} --device cuda --inner ${ZOO_INNER:-aot_eager} > $out/zoo/{}.log 2>&1; echo \"{} rc \$?\""
+  grep -H -E "^  (PASS|NOT PASSED)" "$out"/zoo/*.log | sed "s|$out/zoo/||" | sort
 fi
