@@ -10,10 +10,10 @@
 #   bash bench/run_all.sh probe_rms_norm           # RMSNorm kernel-structure candidates, only when named
 #   bash bench/run_all.sh gpu_tests                # the gpu-marked tests (kernels on CUDA), only when named
 #   bash bench/run_all.sh fsdp2                    # 2-GPU FSDP2 step (examples/fsdp2_bench.py), only when named
-#   ZOO_INNER=inductor bash bench/run_all.sh zoo   # the harness on CUDA (fxfuse check --device cuda) over the HF
-#                                                  # zoo (ZOO_MODELS="llama qwen2 ..." for fewer), ZOO_JOBS processes
-#                                                  # at once (default 8); one log per model, only when named
 #                                                  # (FSDP_ARGS=--checkpointing: activation checkpointing too)
+#   ZOO_INNER=inductor bash bench/run_all.sh zoo   # the harness on CUDA (fxfuse check --device cuda) over the HF
+#                                                  # zoo and VLMs (ZOO_MODELS="llama qwen2 ..." for fewer),
+#                                                  # ZOO_JOBS processes at once (default 8), a log each; only when named
 # fxfuse is installed into /tmp/site (not editable: the image has no network for build deps) and
 # scripts run by path, so the repo's fxfuse/ folder never shadows the installed package.
 set -u
@@ -70,11 +70,13 @@ if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" fsdp2 "* ]]; then
   done
 fi
 if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" zoo "* ]]; then
-  models=${ZOO_MODELS:-$(python3 -c "from fxfuse.zoo import HF_ZOO; print(' '.join(HF_ZOO))")}
+  every="from fxfuse.zoo import HF_ZOO; from fxfuse.zoo_vlm import VLMS; print(' '.join([*HF_ZOO, *VLMS]))"
+  models=${ZOO_MODELS:-$(python3 -c "$every")}
   echo "== zoo on cuda, inner ${ZOO_INNER:-aot_eager}: $models"
   mkdir -p "$out/zoo"
   # shellcheck disable=SC2086
   printf '%s\n' $models | OMP_NUM_THREADS=2 xargs -P "${ZOO_JOBS:-8}" -I{} sh -c \
-    "timeout ${ZOO_TIMEOUT:-400} python3 -m fxfuse.cli check {} --device cuda --inner ${ZOO_INNER:-aot_eager} > $out/zoo/{}.log 2>&1; echo \"{} rc \$?\""
+    "timeout ${ZOO_TIMEOUT:-400} python3 -m fxfuse.cli check {} --device cuda --inner ${ZOO_INNER:-aot_eager} \
+     > $out/zoo/{}.log 2>&1; echo \"{} rc \$?\""
   grep -H -E "^  (PASS|NOT PASSED)" "$out"/zoo/*.log | sed "s|$out/zoo/||" | sort
 fi
