@@ -203,6 +203,10 @@ def _override(text: str) -> tuple[str, object]:
 
 
 def check_cmd(args) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("fxfuse check: --device cuda, but torch sees no CUDA device "
+              f"(torch {torch.__version__}, CUDA build {torch.version.cuda})", file=sys.stderr)
+        return 2
     r = check_hf(args.model, bf16_steps=0 if args.no_train else 20, inner=args.inner, device=args.device,
                  **dict(args.set))
     print(json.dumps(r.to_dict(), indent=2) if args.json else summary(r))

@@ -61,6 +61,14 @@ def test_check_command_takes_config_overrides(capsys):
     assert "expected KEY=VALUE" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_check_command_on_cuda_without_a_gpu_says_so(capsys):
+    from fxfuse.cli import main
+
+    assert main(["check", "llama", "--no-train", "--device", "cuda"]) == 2
+    assert "--device cuda, but torch sees no CUDA device" in capsys.readouterr().err
+
+
 def test_harness_zeroes_config_randomness():
     """Functional dropout and router jitter read the config (no nn.Dropout module to zero): the
     harness sets them to 0, or eager and compiled runs draw different masks (XGLM, GPTBigCode,
