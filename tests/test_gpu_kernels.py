@@ -274,7 +274,7 @@ def test_softcapped_swiglu_on_cuda(dtype, shape):
     dout = torch.randn(shape, device="cuda", generator=g)
 
     def run(fn, dt):
-        x = gate_up.to(dt).requires_grad_()
+        x = gate_up.to(dt, copy=True).requires_grad_()  # a fresh leaf per run, even in gate_up's dtype
         out = fn(*x.chunk(2, -1))
         out.backward(dout.to(dt))
         return out.detach(), x.grad
