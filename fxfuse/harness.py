@@ -104,8 +104,10 @@ def is_attention(m: nn.Module) -> bool:
 
 
 def uses_rope(model: nn.Module) -> bool:
-    """A rotary embedding module, or a rotary table buffer (inv_freq, freqs_cis)."""
-    return any("rotary" in type(m).__name__.lower() for m in model.modules()) or any(
+    """A rotary embedding module, a rotary table buffer (inv_freq, freqs_cis), or an attention that
+    keeps its own sin / cos table and a ``rotary_dim`` (GPT-J and CodeGen in transformers <= 5.17;
+    None there means every channel rotates)."""
+    return any("rotary" in type(m).__name__.lower() or "rotary_dim" in vars(m) for m in model.modules()) or any(
         n.split(".")[-1] in ("inv_freq", "freqs_cis") for n, _ in model.named_buffers())
 
 

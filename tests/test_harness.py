@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from fxfuse.harness import (FP32_TOL, as_accurate_as_eager, expected_sites, fp64_run, fp64_verdict, grad_errors,
-                            is_attention, is_gated_mlp, is_rms_norm, rel_err)
+                            is_attention, is_gated_mlp, is_rms_norm, rel_err, uses_rope)
 
 
 def _noisy(exact: torch.Tensor, rel: float, seed: int) -> torch.Tensor:
@@ -175,3 +175,19 @@ def test_rope_sites_per_tower():
     model = AutoModelForImageTextToText.from_config(cfg)
     assert sum(is_attention(m) for m in model.modules()) == 4  # 2 CLIP + 2 Llama layers
     assert expected_sites(model, inputs, True)["rope"] == 2
+
+
+@pytest.mark.parametrize("rotary_dim", [None, 8])
+def test_an_attention_with_its_own_sin_cos_table_uses_rope(rotary_dim):
+    """GPT-J / CodeGen in transformers <= 5.17: no rotary module, no inv_freq buffer; the attention
+    holds an embed_positions sin / cos buffer and rotary_dim (None: every channel rotates)."""
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.rotary_dim = rotary_dim
+            self.register_buffer("embed_positions", torch.zeros(32, 16))
+
+    assert uses_rope(nn.Sequential(Attention()))
+    assert not uses_rope(nn.Sequential(nn.Linear(16, 16)))
