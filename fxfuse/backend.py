@@ -87,6 +87,8 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
         except Exception as e:
             if _dynamo_control_flow(e):  # Dynamo compiles this graph again: its report would count twice
                 _REPORTS.remove(entry)
+            else:
+                report.errors.append(_no_backend(opts, e))
             raise
     variant, causal_outs = aten_gm.__dict__.pop("_fxfuse_causal", (None, []))
     try:
@@ -102,9 +104,24 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
         log.warning("fxfuse: the rewritten graph failed to compile (%s: %s); compiling it unfused", type(e).__name__, e)
         report.matched, report.skipped_outputs = [], []
         report.errors.append(f"rewritten graph failed in the inner compiler, compiled unfused: {type(e).__name__}: {e}")
-        return inner_compile(gm, example_inputs, opts, mode)
+        try:
+            return inner_compile(gm, example_inputs, opts, mode)
+        except Exception as e2:
+            if _dynamo_control_flow(e2):
+                _REPORTS.remove(entry)
+            else:
+                report.errors[-1] = (f"rewritten graph failed in the inner compiler: {type(e).__name__}: {e}; "
+                                     + _no_backend(opts, e2))
+            raise
     compiled = wrap_outputs(compiled, report.skipped_outputs)
     return counted(compiled, report) if report.matched else compiled
+
+
+def _no_backend(opts: Options, e: Exception) -> str:
+    """The report's line for a graph the inner compiler fails on as Dynamo traced it (no rewrite of
+    fxfuse's involved): Dynamo then breaks the graph there and runs that code eagerly, unfused."""
+    return (f"the unfused graph fails in the inner compiler ({opts.inner}) too: {type(e).__name__}: {e}; "
+            f'Dynamo runs this code eagerly (a graph break), unfused; plain backend="{opts.inner}" fails the same way')
 
 
 def _with_causal_variant(compiled, variant, example_inputs, opts: Options, mode, report: Report):

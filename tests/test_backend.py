@@ -210,6 +210,39 @@ def test_inner_compile_failure_falls_back_to_the_unfused_graph(monkeypatch):
     assert report.counts()["rms_norm"] == 0 and "inner compiler rejects" in report.errors[0]
 
 
+class _MaskedAdd(torch.nn.Module):
+    """Qwen3-VL's DeepStack add after an RMSNorm: the backward of a boolean-mask index_put needs a
+    data-dependent nonzero, which AOTAutograd cannot trace under any backend."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = torch.nn.RMSNorm(8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask, v):
+        h = self.lin(self.norm(x))
+        h[mask, :] = h[mask, :] + v
+        return h.square().mean()
+
+
+def test_a_graph_no_backend_compiles_is_reported_as_run_eagerly():
+    """The rewritten graph fails in the inner compiler, and so does Dynamo's own graph: the report
+    says Dynamo ran that code eagerly (not "compiled unfused"), and the result is still eager's."""
+    torch.manual_seed(0)
+    model = _MaskedAdd()
+    mask = torch.tensor([1, 0, 1, 0, 0, 1], dtype=torch.bool)
+    inputs = {"x": torch.randn(6, 8), "mask": mask, "v": torch.randn(3, 8)}
+    ref, ref_grads = loss_and_grads(model, inputs, loss_fn=lambda out: out)
+    torch._dynamo.reset()
+    n0 = len(fxfuse.compiled_reports())
+    compiled = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})
+    loss, grads = loss_and_grads(model, inputs, loss_fn=lambda out: out, call=compiled)
+    errors = [e for r in fxfuse.compiled_reports()[n0:] for e in r.errors]
+    assert errors and all("the unfused graph fails in the inner compiler (aot_eager) too" in e
+                          and "Dynamo runs this code eagerly" in e and "nonzero" in e for e in errors), errors
+    assert not any("compiled unfused" in e for e in errors)
+    assert rel_err(loss, ref) < 1e-5 and all(rel_err(grads[k], ref_grads[k]) < 1e-5 for k in ref_grads)
+
+
 def test_explain_command_prints_json(capsys):
     from fxfuse.cli import main
 
