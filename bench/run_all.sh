@@ -13,7 +13,7 @@
 #                                                  # (FSDP_ARGS=--checkpointing: activation checkpointing too)
 #   ZOO_INNER=inductor bash bench/run_all.sh zoo   # the harness on CUDA (fxfuse check --device cuda) over the HF
 #                                                  # zoo and VLMs (ZOO_MODELS="llama qwen2 ..." for fewer),
-#                                                  # ZOO_JOBS processes at once (default 8), a log each; only when named
+#                                                  # ZOO_JOBS processes at once (default 8), logs in zoo.log; only when named
 # fxfuse is installed into /tmp/site (not editable: the image has no network for build deps) and
 # scripts run by path, so the repo's fxfuse/ folder never shadows the installed package.
 set -u
@@ -81,5 +81,8 @@ if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" zoo "* ]]; then
   printf '%s\n' $models | OMP_NUM_THREADS=2 xargs -P "${ZOO_JOBS:-8}" -I{} sh -c \
     "timeout ${ZOO_TIMEOUT:-400} python3 -m fxfuse.cli check {} --device cuda --inner ${ZOO_INNER:-aot_eager} \
      > $out/zoo/{}.log 2>&1; echo \"{} rc \$?\""
-  grep -H -E "^  (PASS|NOT PASSED)" "$out"/zoo/*.log | sed "s|$out/zoo/||" | sort
+  # one file back from the device (it returns a limited number of files): every log, each under its name
+  for f in "$out"/zoo/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done > "$out/zoo.log" && rm -r "$out/zoo"
+  awk '/^=== /{if (m) print m, v; m=$2; v="no verdict (see zoo.log)"} /^  (PASS|NOT PASSED)/{v=$0} END{print m, v}' \
+    "$out/zoo.log"
 fi
