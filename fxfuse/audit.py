@@ -61,6 +61,7 @@ from .audit_plot import plot_png
 from .audit_render import render
 from .audit_fit import search_largest
 from .audit_worker import MASKS, MODES, PRESETS, SYNTHETIC
+from .options import INNER
 
 
 def run_worker(spec: dict, timeout: float | None = None, cold: bool = False) -> dict:
@@ -244,7 +245,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="synthetic tokens without --tokens: uniform (nothing to learn) or zipf (p ~ 1/rank)")
     p.add_argument("--tokens", default=None, help="token file (.npy, .pt, raw uint16 .bin); default synthetic")
     p.add_argument("--profile-steps", type=int, default=2, help="extra profiled steps (0: no profile)")
-    p.add_argument("--fxfuse-inner", default="inductor", choices=["inductor", "aot_eager", "eager"])
+    p.add_argument("--fxfuse-inner", default="inductor", choices=INNER)
     p.add_argument("--memory-peak", action="store_true",
                    help="CUDA: one extra step with the allocator history on; prints what is alive at the "
                         "memory peak, by allocating source line, per mode")

@@ -82,14 +82,7 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
     _REPORTS.append(entry)
     log.info("%s", report)
     if aten_gm is gm:  # transform left the graph unfused
-        try:
-            return inner_compile(gm, example_inputs, opts, mode)
-        except Exception as e:
-            if _dynamo_control_flow(e):  # Dynamo compiles this graph again: its report would count twice
-                _REPORTS.remove(entry)
-            else:
-                report.errors.append(_no_backend(opts, e))
-            raise
+        return _compile_unfused(gm, example_inputs, opts, mode, entry)
     variant, causal_outs = aten_gm.__dict__.pop("_fxfuse_causal", (None, []))
     try:
         compiled = inner_compile(aten_gm, example_inputs, opts, mode)
@@ -103,25 +96,31 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
             raise
         log.warning("fxfuse: the rewritten graph failed to compile (%s: %s); compiling it unfused", type(e).__name__, e)
         report.matched, report.skipped_outputs = [], []
-        report.errors.append(f"rewritten graph failed in the inner compiler, compiled unfused: {type(e).__name__}: {e}")
-        try:
-            return inner_compile(gm, example_inputs, opts, mode)
-        except Exception as e2:
-            if _dynamo_control_flow(e2):
-                _REPORTS.remove(entry)
-            else:
-                report.errors[-1] = (f"rewritten graph failed in the inner compiler: {type(e).__name__}: {e}; "
-                                     + _no_backend(opts, e2))
-            raise
+        failed = f"{type(e).__name__}: {e}"
+        compiled = _compile_unfused(gm, example_inputs, opts, mode, entry,
+                                    f"rewritten graph failed in the inner compiler: {failed}; ")
+        report.errors.append(f"rewritten graph failed in the inner compiler, compiled unfused: {failed}")
+        return compiled
     compiled = wrap_outputs(compiled, report.skipped_outputs)
     return counted(compiled, report) if report.matched else compiled
 
 
-def _no_backend(opts: Options, e: Exception) -> str:
-    """The report's line for a graph the inner compiler fails on as Dynamo traced it (no rewrite of
-    fxfuse's involved): Dynamo then breaks the graph there and runs that code eagerly, unfused."""
-    return (f"the unfused graph fails in the inner compiler ({opts.inner}) too: {type(e).__name__}: {e}; "
-            f'Dynamo runs this code eagerly (a graph break), unfused; plain backend="{opts.inner}" fails the same way')
+def _compile_unfused(gm: fx.GraphModule, example_inputs, opts: Options, mode, entry, prefix: str = ""):
+    """Dynamo's graph gm through the inner compiler as it is. If that fails too (plain
+    backend=opts.inner would fail the same way), Dynamo breaks the graph there and runs that code
+    eagerly: the report (entry's) says so after prefix, or, when Dynamo restarts the compile, is dropped
+    (its graph is compiled again and reported then)."""
+    try:
+        return inner_compile(gm, example_inputs, opts, mode)
+    except Exception as e:
+        if _dynamo_control_flow(e):
+            _REPORTS.remove(entry)
+        else:
+            entry[1].errors.append(
+                f"{prefix}the unfused graph fails in the inner compiler ({opts.inner}) too: {type(e).__name__}: "
+                f'{e}; Dynamo runs this code eagerly (a graph break), unfused; plain backend="{opts.inner}" fails '
+                "the same way")
+        raise
 
 
 def _with_causal_variant(compiled, variant, example_inputs, opts: Options, mode, report: Report):

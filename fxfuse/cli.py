@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from .options import INNER
+
 # sizes on top of fxfuse.zoo.TINY: large enough to show the saved bytes, small enough for a CPU
 DEMO_CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, head_dim=16, max_position_embeddings=128)
 
@@ -77,7 +79,7 @@ def register(sub) -> None:
     d.add_argument("--model", default="llama", help="HF model type or config.json path (default llama)")
     d.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     d.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    d.add_argument("--inner", choices=["inductor", "aot_eager", "eager"], default="inductor")
+    d.add_argument("--inner", choices=INNER, default="inductor")
     d.set_defaults(fn=demo)
     e = sub.add_parser("explain", help="print what fxfuse would fuse in a model")
     e.add_argument("model", help="HF model type or config.json path")

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from .harness import Result, check
+from .options import INNER
 from .report import PATTERN_NAMES
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -218,7 +219,7 @@ def register(sub) -> None:
     c.add_argument("model", help="HF model type (llama, qwen2, ...; a vision-language one of fxfuse.zoo_vlm: "
                                  "qwen2_5_vl, gemma3, ..., trained with an image) or a config.json path")
     c.add_argument("--no-train", action="store_true", help="skip the 20 bf16 AdamW steps")
-    c.add_argument("--inner", choices=["aot_eager", "inductor", "eager"], default="aot_eager")
+    c.add_argument("--inner", choices=INNER, default="aot_eager")
     c.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the model runs (cuda: the fused ops run their Triton kernels; default cpu)")
     c.add_argument("--json", action="store_true")
@@ -232,7 +233,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="run the HF zoo through the harness")
     p.add_argument("--markdown", action="store_true", help="print the coverage table")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--inner", choices=["aot_eager", "inductor", "eager"], default="aot_eager")
+    p.add_argument("--inner", choices=INNER, default="aot_eager")
     p.add_argument("models", nargs="*", default=list(HF_ZOO))
     args = p.parse_args(argv)
     results = []
