@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import os
 
 import torch
 import torch.nn as nn
@@ -10,6 +12,15 @@ import fxfuse
 
 from fxfuse.harness import rel_err  # noqa: F401  (re-exported for the tests)
 from fxfuse.zoo import TINY
+
+
+def load_script(folder: str, name: str):
+    """The repository's folder/name.py (bench/, examples/: folders, not packages), loaded by path."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), folder, f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{folder}_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def hf_model(model_type: str, dtype=torch.float32, seed: int = 0, **overrides) -> nn.Module:

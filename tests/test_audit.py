@@ -4,7 +4,6 @@ simulated), --fxfuse-option, the profiler attribution rule, the removed tensors'
 bar and the worker's failure paths."""
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -21,7 +20,7 @@ from fxfuse.audit import _kv, run_worker, search_largest
 from fxfuse.audit_plot import Progress
 from fxfuse.audit_fit import fit_batch
 from fxfuse.audit_worker import build_model
-from helpers import count_calls, is_rms_norm
+from helpers import count_calls, is_rms_norm, load_script
 
 SEQ, BATCH, STEPS = 16, 2, 3
 
@@ -184,10 +183,7 @@ def test_fxfuse_option_end_to_end(tmp_path):
     assert fit["status"] == "ok" and fit["largest"] == 4 and fit["trials"] == [[BATCH, True], [4, True]]
     assert len({p["graphs"] for p in fit["probes"]}) == 1
 
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "e2e.py")
-    spec = importlib.util.spec_from_file_location("bench_e2e", path)
-    e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e2e)
+    e2e = load_script("bench", "e2e")
     assert "fxfuse options: inner=aot_eager, logits=skip, loss_head=fast" in e2e.markdown(audit).splitlines()[0]
     assert "uniform synthetic tokens, AdamW lr 0.0003" in e2e.markdown(audit).splitlines()[0]
     audit["pairwise"] = {"inductor vs fxfuse": 0.25}

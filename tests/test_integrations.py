@@ -2,24 +2,18 @@
 num_items_in_batch, eval logits, checkpoints), PEFT LoRA, TRL SFTTrainer. Each examples/ script is
 exercised here (examples/distributed.py by test_distributed.py)."""
 import copy
-import importlib.util
-import os
 
 import numpy as np
 import pytest
 import torch
 
 import fxfuse
-from helpers import batch, count_calls, hf_model, is_rms_norm, loss_and_grads, rel_err
+from helpers import batch, count_calls, hf_model, is_rms_norm, load_script, loss_and_grads, rel_err
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(ROOT, "examples", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("examples", name)
 
 
 def test_patch_in_place_parity_report_and_state_dict():

@@ -8,6 +8,7 @@ import torch
 import fxfuse.kernels._lce_chunks as lce_chunks
 import fxfuse.kernels.linear_cross_entropy as lce
 import fxfuse.kernels.linear_cross_entropy_fast as lcef
+from helpers import load_script
 from lce_cases import ALGOS, EAGER, FAST, OP, fwd_bwd, inputs, op_with, rel, small_chunks  # noqa: F401
 
 pytestmark = pytest.mark.interpreter  # the Triton kernels under the interpreter on CPU (tests/conftest.py)
@@ -294,13 +295,7 @@ def test_compile_inductor_fast():
 
 def test_bench_counts(monkeypatch):
     """The benchmark imports on CPU; its byte and FLOP counts match hand counts at the target shape."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[1] / "bench" / "bench_linear_cross_entropy.py"
-    spec = importlib.util.spec_from_file_location("bench_lce", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench", "bench_linear_cross_entropy")
     n, h, v = 8192, 4096, 128256
     assert bench.lce_bytes(n, h, v, 2) == 2 * 2 * (n * h + v * h) + 8 * n
     assert bench.lce_flops(n, h, v) == 3 * 2 * n * h * v

@@ -2,13 +2,13 @@
 turns it on before triton is imported) and are checked against the PyTorch reference and eager HF-style
 modules (Llama: cast before weight; Gemma: (1 + w) in fp32, cast at the end). The launch paths
 (persistent, chunked, split, dw reduction) are tested in tests/test_kernel_rms_norm_launch.py."""
-import os
 
 import pytest
 import torch
 
 from fxfuse.kernels._dispatch import use_triton
 from fxfuse.kernels.rms_norm import rms_norm, rms_norm_reference
+from tests.helpers import load_script
 from tests.rms_norm_cases import (EPS, LOW, SHAPES, fp64_grads, gemma_eager, gemma_op, grads, inputs, llama_eager,
                                   llama_op, rel)
 
@@ -143,12 +143,7 @@ def test_compile_dynamic_two_sizes():
 
 def test_bench_byte_count():
     """The benchmark imports on CPU, and its minimum byte count is x, y, dy, dx (bf16) + w read twice, dw."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_rms_norm.py")
-    spec = importlib.util.spec_from_file_location("bench_rms_norm", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench", "bench_rms_norm")
     assert bench.rms_norm_bytes(16384, 4096, torch.bfloat16) == 5 * 16384 * 4096 * 2 + 3 * 4096 * 2
     assert bench.rms_norm_bytes(7, 40, torch.bfloat16, torch.float32) == 5 * 7 * 40 * 2 + 3 * 40 * 4
 

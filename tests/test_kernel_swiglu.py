@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from fxfuse.kernels import swiglu as S
 from tests.helpers import gated_grads as grads
+from tests.helpers import load_script
 
 pytestmark = pytest.mark.interpreter  # the Triton kernels under the interpreter on CPU (tests/conftest.py)
 
@@ -168,13 +169,7 @@ def test_compile_dynamic_two_sizes():
 
 
 def test_bench_byte_count():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_swiglu.py"
-    spec = importlib.util.spec_from_file_location("bench_swiglu", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench", "bench_swiglu")
     assert mod.swiglu_bytes(16384, 14336, 2) == 8 * 16384 * 14336 * 2
     assert callable(mod.run) and callable(mod.add_args) and callable(mod.main)
 
@@ -219,13 +214,7 @@ def test_relu_rounds_as_eager(round_act):
 def test_bench_softcapped_case_is_inklings_activation():
     """bench_swiglu's softcapped_swiglu case: its eager function (Inkling 2's module on the halves of
     gate_up) and the fxfuse op it times agree, value and gradient, on the chunked layout."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_swiglu.py"
-    spec = importlib.util.spec_from_file_location("bench_swiglu", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench", "bench_swiglu")
     gu = (torch.randn(199, 66, generator=torch.Generator().manual_seed(0)) * 8).requires_grad_()
     dout = torch.randn(199, 33, generator=torch.Generator().manual_seed(1))
     fused = mod._fxfuse_fn("softcapped_swiglu", "chunked", False)

@@ -6,7 +6,7 @@ import torch
 
 import fxfuse
 
-from helpers import batch, bf16_errors, compiled_parity
+from helpers import batch, bf16_errors, compiled_parity, load_script
 from models import NanoChatLM
 
 LAYERS = 2
@@ -55,14 +55,9 @@ def test_bf16_within_twice_eager_error():
 
 def test_benchmark_script_runs_on_cpu(monkeypatch, capsys):
     """bench/bench_nanochat.py (the GPU end-to-end run) at a smoke size: the table and fxfuse's sites."""
-    import importlib.util
-    import os
     import sys
 
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_nanochat.py")
-    spec = importlib.util.spec_from_file_location("bench_nanochat", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench", "bench_nanochat")
     monkeypatch.setattr(sys, "argv", ["bench_nanochat.py", "--dim", "32", "--layers", "2", "--heads", "2",
                                       "--kv-heads", "1", "--vocab", "100", "--batch", "2", "--seq", "16",
                                       "--steps", "2", "--warmup", "1", "--device", "cpu",
