@@ -17,7 +17,9 @@ zoo.check_hf); models are otherwise as built, in train mode.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -41,7 +43,8 @@ def _names(m: nn.Module) -> set[str]:
 
 
 def is_rms_norm(m: nn.Module) -> bool:
-    """nn.RMSNorm and *RMSNorm classes; Llama 4's weightless q/k ``L2Norm`` (x * rsqrt(mean(x^2) + eps));
+    """nn.RMSNorm and *RMSNorm classes; *L2Norm classes (Llama 4's weightless q/k norm before transformers
+    5.25, x * rsqrt(mean(x^2) + eps); Dory's x * rsqrt(sum(x^2) + eps), fused as an RMSNorm);
     gated ones (*RMSNormGated: Qwen3-Next's and Qwen3.5's linear attention, rms_norm(x) * silu(gate));
     Ergo's ExpertNorm (F.rms_norm, then each token's expert's weight).
     A wrapper around one (AXK2's GatedRMSNorm: its norm, then a sigmoid gate of a low-rank MLP) is not
@@ -51,8 +54,31 @@ def is_rms_norm(m: nn.Module) -> bool:
 
 def _rms_norm_class(m: nn.Module) -> bool:
     name = type(m).__name__.lower()
-    return (isinstance(m, nn.RMSNorm) or name.endswith(("rmsnorm", "rmsnormgated"))
-            or name in ("llama4textl2norm", "ergoexpertnorm"))
+    return (isinstance(m, nn.RMSNorm) or name.endswith(("rmsnorm", "rmsnormgated", "l2norm"))
+            or name == "ergoexpertnorm")
+
+
+@contextlib.contextmanager
+def _counting_l2norm_calls(model: nn.Module, calls: dict[str, int]):
+    """Count calls of a module-level ``l2norm`` function in the files defining model's classes (HF's
+    linear attention: x * rsqrt(sum(x^2) + eps) on q and k, no module of its own) as RMSNorm sites."""
+    files = {sys.modules.get(type(m).__module__) for m in model.modules()}
+    files = [f for f in files if callable(getattr(f, "l2norm", None))]
+    originals = {f: f.l2norm for f in files}
+
+    def counted(fn):
+        def l2norm(*args, **kwargs):
+            calls["rms_norm"] += 1
+            return fn(*args, **kwargs)
+        return l2norm
+
+    for f, fn in originals.items():
+        f.l2norm = counted(fn)
+    try:
+        yield
+    finally:
+        for f, fn in originals.items():
+            f.l2norm = fn
 
 
 def is_gated_mlp(m: nn.Module) -> bool:
@@ -147,7 +173,7 @@ def expected_sites(model: nn.Module, inputs: dict, has_loss_head: bool) -> dict[
 
     hooks = [mod.register_forward_hook(count(p)) for mod in model.modules() for p, test in tests.items() if test(mod)]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _counting_l2norm_calls(model, calls):
             model(**inputs)
     finally:
         for h in hooks:

@@ -58,13 +58,13 @@ HF_ZOO: dict[str, dict] = {
                      "intermediate_size": [48] * 2, "activation_sparsity_pattern": [0.95, 0.0], "altup_num_inputs": 2,
                      "vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 8, "laurel_rank": 4},
     # Qwen3.5: a gated-delta-net linear attention layer (its gated RMSNorm: an RMSNorm and a SiLU-gate
-    # site) then a full attention layer, linear-attention heads at TINY's scale
+    # site; its q / k l2norm: two more RMSNorm sites) then a full attention layer, linear-attention heads at TINY's scale
     "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 8,
                      "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4},
     # AXK2: MLA with DeepSeek sparse attention (an indexer that rotates its own q / k: a second RoPE
     # site per layer) and a sigmoid-gated wrapper around some of its RMSNorms
     "axk2": MLA_TINY,
-    # Bailing hybrid: a delta-rule linear attention layer (no rotation; its q / k l2norm is no RMSNorm)
+    # Bailing hybrid: a delta-rule linear attention layer (no rotation; its q / k l2norm: two RMSNorm sites)
     # then an MLA layer (DeepSeek's interleaved pairs written out on even / odd slices)
     "bailing_hybrid": {"layer_group_size": 2, **{k: MLA_TINY[k] for k in (
         "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank", "num_key_value_heads")}},

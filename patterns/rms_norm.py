@@ -4,6 +4,8 @@ Each function below is copied from how a model family writes it; the canonical v
 already unifies ``x * x`` / ``pow(2)``, ``mean`` / ``sum / N``, ``* rsqrt`` / ``/ sqrt`` / ``** -0.5`` / ``/ ** 0.5``,
 and drops casts that do not change dtype, so an fp32 model matches the same functions. Per-head q/k
 norms on [B, T, H, D] are the same functions (the reduction is over the last dim only).
+An L2 norm with eps under the root, ``x * rsqrt(sum(x^2) + eps)``, is the same op with eps / D and a
+constant 1 / sqrt(D) weight (the ``l2norm_*`` variants): it counts as an RMSNorm site.
 """
 from __future__ import annotations
 
@@ -63,6 +65,19 @@ def rmsnorm_torch_no_weight(x, eps):
     return F.rms_norm(x, x.shape[-1:], None, eps)
 
 
+def l2norm_fla(x, eps):
+    """Linear attention's q / k norm (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi Linear, Lara, after the FLA
+    library): the inverse root of the sum of squares, eps under the root, in the input dtype. It is an
+    RMSNorm with eps / D, scaled by 1 / sqrt(D): lowered to one fused call with that constant weight."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def l2norm_ngpt(x, eps):
+    """nGPT-style hidden-state norm (Dory's L2Norm): the same in fp32, cast back."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + eps)).type_as(x)
+
+
 def check(m) -> str | None:
     x, w = val(m.inputs["x"]), val(m.inputs.get("w"))
     out = val(m.anchor)
@@ -81,6 +96,8 @@ def check(m) -> str | None:
     eps = m.scalars.get("eps")
     if eps is not None and not isinstance(eps, (int, float)):
         return f"eps {eps!r} is not a constant number"
+    if m.consts.get("l2") and not isinstance(x.shape[-1], int):
+        return f"an L2 norm over a symbolic dim ({x.shape[-1]}): its 1 / sqrt(D) weight needs D's value"
     return None
 
 
@@ -91,7 +108,13 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
     eps = m.scalars.get("eps")
     if eps is None:  # aten.rms_norm's default: machine epsilon of the fp32 compute type
         eps = torch.finfo(torch.float32 if val(x).dtype != torch.float64 else torch.float64).eps
-    args = (x, m.inputs.get("w"), float(eps), float(m.scalars.get("offset", 0.0)),
+    w = m.inputs.get("w")
+    if m.consts.get("l2"):  # x * rsqrt(sum(x^2) + eps) = x * rsqrt(mean(x^2) + eps / D) * D ** -0.5
+        d = val(x).shape[-1]
+        eps = eps / d
+        w = graph.call_function(torch.ops.aten.full.default, ([d], d ** -0.5), {
+            "dtype": torch.float32, "device": val(x).device, "pin_memory": False})
+    args = (x, w, float(eps), float(m.scalars.get("offset", 0.0)),
             m.consts["cast_before_weight"], val(m.anchor).dtype, opts.eager_rounding)
     return graph.call_function(torch.ops.fxfuse.rms_norm.default, args)
 
@@ -120,7 +143,7 @@ def _inverse_root(n: fx.Node) -> bool:
 
 
 def _miss_reason(n: fx.Node) -> str | None:
-    """A near miss that is no RMSNorm: the inverse root of a sum of squares (plus eps) with no mean, a
+    """A near miss that is no RMSNorm: the inverse root of a sum of squares with no eps under it, a
     norm that divides its own source with eps outside the root or as a floor (F.normalize), or an
     inverse RMS that scales another tensor."""
     aten = torch.ops.aten
@@ -145,8 +168,8 @@ def _miss_reason(n: fx.Node) -> str | None:
     return None
 
 
-_L2_REASON = ("an L2 norm (the root of the sum of squares, not of their mean: nGPT-style q / k, "
-              "linear attention's l2norm), not an RMSNorm")
+_L2_REASON = ("an L2 norm (the root of the sum of squares) with no eps under the root (x / ||x||, "
+              "linalg.vector_norm): the L2 variants fuse x * rsqrt(sum(x^2) + eps) only")
 
 
 def _divided_root(n: fx.Node, hops: int = 4) -> list[fx.Node] | None:
@@ -222,6 +245,8 @@ PATTERN = Pattern(
         Variant(rmsnorm_torch, {"cast_before_weight": False}),
         Variant(rmsnorm_no_weight, {"cast_before_weight": True}),
         Variant(rmsnorm_torch_no_weight, {"cast_before_weight": False}),
+        Variant(l2norm_fla, {"cast_before_weight": False, "l2": True}),
+        Variant(l2norm_ngpt, {"cast_before_weight": False, "l2": True}),
     ),
     shapes={"x": (2, 3, 22), "w": (22,)},
     dtypes=({"x": _bf, "w": _bf}, {"x": _f32, "w": _f32}, {"x": _bf, "w": _f32}),
