@@ -93,13 +93,15 @@ def _detach_escapes(m: Match, graph: fx.Graph) -> None:
         return
     order = {n: i for i, n in enumerate(graph.nodes)}
     detached: dict[fx.Node, fx.Node] = {}
-    with graph.inserting_before(min(cone, key=order.__getitem__)):
-        for n in cone:
-            for a in n.all_input_nodes:
-                if a in m.inputs.values() and a not in detached:
+    for n in sorted(cone, key=order.__getitem__):
+        for a in n.all_input_nodes:
+            if a in m.inputs.values() and a not in detached:
+                # before its first user in the cone: an input may be computed after the cone starts
+                # (Dory's logit scale, computed after the lm_head)
+                with graph.inserting_before(n):
                     detached[a] = graph.call_function(torch.ops.aten.detach.default, (a,))
-                    detached[a].meta["val"] = a.meta.get("val")
-            n.args = tuple(detached.get(a, a) if isinstance(a, fx.Node) else a for a in n.args)
+                detached[a].meta["val"] = a.meta.get("val")
+        n.args = tuple(detached.get(a, a) if isinstance(a, fx.Node) else a for a in n.args)
 
 
 def _skip_escapes(m: Match, graph: fx.Graph) -> list[fx.Node]:

@@ -71,6 +71,9 @@ HF_ZOO: dict[str, dict] = {
     # Mamba-1 mixers (their scan output times silu(gate) is a gated site); on CPU the selective scan is
     # torch's associative_scan in generic mode, traced through torch.vmap (kept as written, opaque.py)
     "mamba": {}, "falcon_mamba": {}, "jamba": {},
+    # Dory (nGPT-style): L2-normed hidden states and q / k (x * rsqrt(sum(x^2) + eps): RMSNorm sites), a
+    # learned per-vocabulary logit scale folded into the lm_head's rows
+    "dory": {},
     # Inkling 2: softcapped SwiGLU experts (fxfuse::softcapped_swiglu); 4 experts, an lm_head of TINY's
     # vocabulary (its default pads the logits to 200058), relative-position heads at TINY's scale
     "inkling2_text": {"n_routed_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,

@@ -4,7 +4,9 @@ The fused op never materialises the [N, V] logits, their fp32 copy or their grad
 HF ``ForCausalLMLoss`` (``logits.float()``, ``view(-1, V)``), Gemma 2's softcap
 ``tanh(z / c) * c``, a logit scale (Cohere ``* s``, Granite ``/ s``), each with or without a bias,
 each before the ``.float()`` (HF) or after it (nanochat's fp32 softcap), modded-nanogpt's fp32
-``30 * sigmoid(z / k)`` (a shifted softcap), and class dim second (``[B, V, T]`` with ``[B, T]``
+``30 * sigmoid(z / k)`` (a shifted softcap), a learned logit scale tensor (Dory's, nGPT's per-vocabulary
+``s_z``: folded into the lm_head's rows, ``W * s[:, None]``, so its gradient comes through that
+product), and class dim second (``[B, V, T]`` with ``[B, T]``
 targets). The canonical view (fxfuse/canon.py) makes the rest the same graphs: ``x @ W.t()``
 reads as ``F.linear`` (normalize.canonical_linear), and the casts to fp32 and [N, V] row merges on
 the logits' way into cross_entropy disappear, so
@@ -130,6 +132,30 @@ def lce_bias_fp32_divided(x, w, b, target, logits_scaling=1.0, ignore_index=-100
     return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
 
 
+def lce_vocab_scaled(x, w, target, s, ignore_index=-100, label_smoothing=0.0):
+    """A learned logit scale tensor (a [V] vector, nGPT's s_z, or a scalar) before the .float()."""
+    logits = (F.linear(x, w) * s).float()
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
+def lce_fp32_vocab_scaled_dory(x, w, target, s, ignore_index=-100, label_smoothing=0.0):
+    """Dory's lm_head: logits.float() times its learned per-vocabulary scale (s.float() * factor)."""
+    logits = F.linear(x, w).float() * s
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
+def lce_bias_vocab_scaled(x, w, b, target, s, ignore_index=-100, label_smoothing=0.0):
+    """A biased lm_head before a learned logit scale tensor."""
+    logits = (F.linear(x, w, b) * s).float()
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
+def lce_bias_fp32_vocab_scaled(x, w, b, target, s, ignore_index=-100, label_smoothing=0.0):
+    """A biased lm_head, .float(), then a learned logit scale tensor in fp32."""
+    logits = F.linear(x, w, b).float() * s
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
 def lce_sigmoid_modded_nanogpt(x, w, target, sigmoid_cap=30.0, sigmoid_temperature=1.0, ignore_index=-100,
                                label_smoothing=0.0):
     """modded-nanogpt: lm_head(x).float(), then 30 * sigmoid(logits / (7.5 * sqrt(H))): a tanh softcap
@@ -167,6 +193,13 @@ def check(m) -> str | None:
         return f"reduction enum {m.scalars.get('reduction')!r} not known"
     if w.dim() != 2 or (b is not None and b.dim() != 1):
         return f"weight {list(w.shape)} is not [V, H]"
+    scale = val(m.inputs.get("s"))
+    if scale is not None:
+        if scale.dtype not in SUPPORTED:
+            return f"logit scale dtype {scale.dtype} not supported (float32, bfloat16, float16)"
+        if tuple(scale.shape) not in ((), (1,), (w.shape[0],)):
+            return (f"logit scale of shape {list(scale.shape)} is neither per vocabulary entry ([{w.shape[0]}]) "
+                    "nor one number: only those fold into the lm_head weight")
     logits = val(m.anchor.args[0])
     if m.variant.fn is not lce_class_dim_second and (logits is None or logits.dim() != 2):
         # the canonical view elides the [N, V] row merges before cross_entropy (canon_rules._logits_chain)
@@ -211,17 +244,26 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
     if vocab is not None:  # logits z[..., :V] of a padded lm_head: its first V rows (canon_rules._vocab_slice)
         w = call(aten.slice.Tensor, (w, 0, 0, vocab))
         b = call(aten.slice.Tensor, (b, 0, 0, vocab)) if b is not None else None
+    if "s" in m.inputs:  # (x @ W.T + b) * s[v] = x @ (W * s[:, None]).T + b * s: folded in fp32
+        scale = call(aten.to.dtype, (m.inputs["s"], torch.float32))
+        w = _scaled(call, w, call(aten.reshape.default, (scale, [-1, 1])), low)
+        b = _scaled(call, b, scale, low) if b is not None else None
     x = call(aten.flatten.using_ints, (x, 0, -2))
     target = call(aten.flatten.using_ints, (_target(m), 0, -1))
     s = m.scalars
     loss = call(torch.ops.fxfuse.linear_cross_entropy.default, (
         x, w, b, target, int(s["ignore_index"]), REDUCTIONS[s["reduction"]], float(s["label_smoothing"]),
-        *_transform(s), opts.loss_head_algorithm(), opts.eager_rounding,
+        *_transform(s), opts.loss_head_algorithm(), opts.eager_rounding and "s" not in m.inputs,
         m.variant.consts.get("fp32_transform", False)))
     if REDUCTIONS[s["reduction"]] == "none":  # row losses [N] in the target's shape ([B, T]: class dim second)
         loss = call(aten.view_as.default, (loss, _target(m)))
     out_dtype = val(m.anchor).dtype
     return loss if out_dtype == torch.float32 else call(aten.to.dtype, (loss, out_dtype))
+
+
+def _scaled(call, t: fx.Node, scale: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """t * scale computed in fp32, rounded to the lm_head's dtype (one rounding, as t's own)."""
+    return call(aten.to.dtype, (call(aten.mul.Tensor, (call(aten.to.dtype, (t, torch.float32)), scale)), dtype))
 
 
 def _hidden(m) -> list:
@@ -260,7 +302,7 @@ _bf, _f32, _i64 = torch.bfloat16, torch.float32, torch.int64
 # transform after the .float(): only the lm_head's output rounds in low precision (in fp32 models the
 # cast is a no-op and these graphs are the cast-after variants', so they are traced in bf16 only)
 _FP32_TRANSFORM = {"fp32_transform": True}
-_LOW = ({"x": _bf, "w": _bf, "b": _bf, "target": _i64},)
+_LOW = ({"x": _bf, "w": _bf, "b": _bf, "s": _f32, "target": _i64},)
 PATTERN = Pattern(
     name="linear_cross_entropy",
     variants=(
@@ -277,13 +319,17 @@ PATTERN = Pattern(
         Variant(lce_bias_fp32_scaled, _FP32_TRANSFORM, dtypes=_LOW),
         Variant(lce_bias_fp32_divided, _FP32_TRANSFORM, dtypes=_LOW),
         Variant(lce_sigmoid_modded_nanogpt, _FP32_TRANSFORM),
+        Variant(lce_vocab_scaled, {}),
+        Variant(lce_bias_vocab_scaled, {}),
+        Variant(lce_fp32_vocab_scaled_dory, {}, dtypes=_LOW),
+        Variant(lce_bias_fp32_vocab_scaled, {}, dtypes=_LOW),
         Variant(lce_hf_bias, {}),
         Variant(lce_hf, {}),
         Variant(lce_class_dim_second, {}),
     ),
-    shapes={"x": (2, 3, 22), "w": (50, 22), "b": (50,), "target": (6,), "target2d": (2, 3)},
-    dtypes=({"x": _bf, "w": _bf, "b": _bf, "target": _i64, "target2d": _i64},
-            {"x": _f32, "w": _f32, "b": _f32, "target": _i64, "target2d": _i64}),
+    shapes={"x": (2, 3, 22), "w": (50, 22), "b": (50,), "s": (50,), "target": (6,), "target2d": (2, 3)},
+    dtypes=({"x": _bf, "w": _bf, "b": _bf, "s": _bf, "target": _i64, "target2d": _i64},
+            {"x": _f32, "w": _f32, "b": _f32, "s": _f32, "target": _i64, "target2d": _i64}),
     check=check,
     lower=lower,
     may_escape=_returned_only,

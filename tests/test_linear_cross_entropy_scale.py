@@ -1,0 +1,122 @@
+"""A learned logit scale tensor on the loss head (Dory's per-vocabulary scale, nGPT's s_z, a learned
+scalar): folded into the lm_head's rows (and bias), fused; the loss and every gradient, the scale's
+included, equal eager's; returned logits exact."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxfuse
+from fxfuse.zoo import hf_config, hf_inputs
+from helpers import compiled_parity, rel_err
+
+FP32_TOL = 1e-5
+H, V = 16, 40
+
+
+class ScaledHead(nn.Module):
+    """x [B, T, H] -> lm_head -> logits * scale -> cross_entropy. order "dory": .float() first, then the
+    scale in fp32 (Dory: scale.float() * factor); "before_float": the scale in the lm_head's dtype."""
+
+    def __init__(self, order: str, shape: tuple, bias: bool = False, returns_logits: bool = False):
+        super().__init__()
+        self.order, self.returns_logits = order, returns_logits
+        self.lin = nn.Linear(H, V, bias=bias)
+        self.scale = nn.Parameter(0.5 + torch.rand(shape))
+
+    def forward(self, x, t, weights=None, reduction="mean"):
+        x = x.to(self.lin.weight.dtype)  # fp32 inputs for bf16 weights too
+        if self.order == "dory":
+            logits = self.lin(x).float() * (self.scale.float() * 2.0)
+        else:
+            logits = (self.lin(x) * self.scale).float()
+        loss = F.cross_entropy(logits.view(-1, V), t.view(-1), reduction=reduction)
+        return (loss, logits) if self.returns_logits else loss
+
+
+def _inputs(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(2, 5, H, generator=g), "t": torch.randint(0, V, (2, 5), generator=g)}
+
+
+@pytest.mark.parametrize("order,shape,bias,inner", [
+    *[(o, s, b, "aot_eager") for o in ("dory", "before_float") for s in ((V,), ()) for b in (False, True)],
+    ("dory", (V,), False, "inductor")])
+def test_learned_logit_scale_fused_with_parity(order, shape, bias, inner):
+    torch.manual_seed(0)
+    model = ScaledHead(order, shape, bias)
+    loss_err, grad_err, report, names = compiled_parity(model, _inputs(), inner=inner, loss_fn=lambda out: out)
+    (site,) = report.matched
+    assert site.pattern == "linear_cross_entropy" and "vocab_scaled" in site.variant, str(report)
+    assert "scale" in names and "lin.weight" in names
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+def test_per_token_scale_is_reported():
+    """A scale that varies per token ([N, V]) folds into no weight: unfused, and the report says why."""
+    lin, x, t = nn.Linear(H, V, bias=False), torch.randn(6, H), torch.randint(0, V, (6,))
+    scale = torch.rand(6, V)
+    report = fxfuse.explain(lambda x, t, s: F.cross_entropy(lin(x).float() * s, t), x, t, scale)
+    assert report.counts()["linear_cross_entropy"] == 0
+    (site,) = [s for s in report.unmatched if s.pattern == "linear_cross_entropy"]
+    assert "logit scale of shape [6, 40] is neither per vocabulary entry" in site.reason, site.reason
+
+
+def test_returned_scaled_logits_exact_and_detached():
+    torch.manual_seed(0)
+    model = ScaledHead("dory", (V,), returns_logits=True)
+    inputs = _inputs()
+    ref_loss, ref_logits = model(**inputs)
+    loss, logits = torch.compile(copy.deepcopy(model), backend="fxfuse", options={"inner": "aot_eager"})(**inputs)
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+    torch.testing.assert_close(loss, ref_loss, rtol=FP32_TOL, atol=0)
+    assert not logits.requires_grad and loss.requires_grad
+
+
+def _per_token_run(model, inputs, call=None):
+    """(per-token losses, every parameter's gradient) in fp32, for sum(weights * losses)."""
+    call = model if call is None else call
+    losses = call(**inputs)
+    (losses.float() * inputs["weights"]).sum().backward()
+    return losses.detach().float(), torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("order", ["dory", "before_float"])
+def test_learned_logit_scale_bf16_within_twice_eagers_error(order):
+    """bf16 weights: W * s rounds once in the folded weight where eager rounds the logits (and, before
+    the .float(), their scaled product), so the fused op skips the lm_head output's eager rounding.
+    Per-token losses and every gradient are no further from the fp32 run than 2x eager bf16's own
+    distance (per-token: a mean loss's error is a sum of signed roundings that cancel by chance)."""
+    g = torch.Generator().manual_seed(10)
+    inputs = {"x": torch.randn(4, 32, H, generator=g), "t": torch.randint(0, V, (4, 32), generator=g),
+              "weights": torch.rand(128, generator=g), "reduction": "none"}
+    torch.manual_seed(0)
+    model = ScaledHead(order, (V,))
+    ref_losses, ref_grads = _per_token_run(model, inputs)
+    eager = copy.deepcopy(model).bfloat16()
+    e_losses, e_grads = _per_token_run(eager, inputs)
+    mine = copy.deepcopy(model).bfloat16()
+    compiled = torch.compile(mine, backend="fxfuse", options={"inner": "aot_eager"})
+    f_losses, f_grads = _per_token_run(mine, inputs, compiled)
+    (site,) = fxfuse.last_report().matched
+    assert site.variant == {"dory": "lce_fp32_vocab_scaled_dory", "before_float": "lce_vocab_scaled"}[order]
+    assert rel_err(f_losses, ref_losses) <= 2 * rel_err(e_losses, ref_losses)
+    assert rel_err(f_grads, ref_grads) <= 2 * rel_err(e_grads, ref_grads)
+
+
+def test_dory_loss_head_fused():
+    """HF Dory: lm_head(x).float() * (logit_scale.float() * factor), its logits returned (the zoo's tiny
+    config and token ids: helpers.batch's pad id 0 gives NaN gradients in eager Dory already)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config("dory")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    loss_err, grad_err, report, names = compiled_parity(model, hf_inputs(cfg.vocab_size))
+    (site,) = [s for s in report.matched if s.pattern == "linear_cross_entropy"]
+    assert site.variant == "lce_vocab_scaled"  # in fp32 the .float() is a no-op: one graph for both orders
+    assert "lm_head.logit_scale" in names
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
