@@ -304,3 +304,38 @@ def test_kernel_change_misses_the_compile_cache(monkeypatch, tmp_path):
     assert compile_once() == (True, False)
     monkeypatch.setattr(backend, "source_hash", lambda: "another-version")
     assert compile_once()[1]  # the forward misses (the backward compiles later, its code decomposed)
+
+
+def test_compiled_autograd_captures_the_fused_backward():
+    """Compiled autograd (an option of torchtitan and FSDP2 setups) traces the backward of every fused
+    op into the backward graph it compiles: one capture holding each pattern's backward op, the loss and
+    every gradient equal to eager's."""
+    import copy
+
+    from torch._dynamo import compiled_autograd
+    from torch._dynamo.utils import counters
+
+    model = hf_model("gemma2")  # all four patterns, Gemma's (1 + w) norms and softcapped head
+    inputs = batch()
+    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model), inputs)
+    counters.clear()
+    compiled = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})
+    loss = compiled(**inputs).loss
+    assert fxfuse.last_report().counts() == {"rms_norm": 9, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}
+    seen = []
+
+    def record(gm, example_inputs):  # the backward graph compiled autograd hands its compiler
+        seen.extend(str(n.target) for n in gm.graph.nodes)
+        return gm.forward
+
+    with compiled_autograd._enable(torch.compile(backend=record)):
+        loss.backward()
+    assert counters["compiled_autograd"]["captures"] == 1
+    fused = {t for t in seen if t.startswith("fxfuse.")}
+    backward_ops = {"fxfuse.rms_norm_backward.default", "fxfuse.rope_bwd.default", "fxfuse.swiglu_backward.default",
+                    "fxfuse.linear_cross_entropy_bwd.default"}
+    assert backward_ops <= fused, sorted(fused)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref_grads.keys()
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 1e-5
