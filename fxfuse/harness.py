@@ -87,13 +87,15 @@ def is_gated_mlp(m: nn.Module) -> bool:
     JetMoE's MoE (input_linear to both halves, its activation; its attention experts have no activation);
     a gated RMSNorm with a SiLU gate (silu(gate) * normed x; Kimi Linear's sigmoid gate is no site);
     xLSTM's proj_up_gate / proj_up; ModernBERT's Wi packing both halves (twice Wo's input width);
-    a Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba: its scan output times silu(gate)), and a Mamba-2 one
+    a Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba: its scan output times silu(gate); Zamba's per-head
+    x_proj_weight / dt_proj_weight parameters), and a Mamba-2 one
     without a gated RMSNorm (_ungated_norm_mixer)."""
     names = _names(m)
     return ({"gate_proj", "up_proj"} <= names or "gate_up_proj" in names or {"w1", "w3"} <= names
             or {"w1", "v1"} <= names or "per_layer_input_gate" in names or {"proj_up_gate", "proj_up"} <= names
             or {"input_linear", "output_linear", "activation"} <= names or _packed_in_out(m)
-            or {"in_proj", "x_proj", "dt_proj", "out_proj"} <= names or _ungated_norm_mixer(m)
+            or {"in_proj", "x_proj", "dt_proj", "out_proj"} <= names
+            or {"in_proj", "x_proj_weight", "dt_proj_weight", "out_proj"} <= names or _ungated_norm_mixer(m)
             or (type(m).__name__.lower().endswith("rmsnormgated") and getattr(m, "activation", "silu") == "silu"))
 
 
@@ -168,7 +170,8 @@ def expected_sites(model: nn.Module, inputs: dict, has_loss_head: bool) -> dict[
             # an RMSNorm class returning only the inverse RMS [..., 1] (HY-V4's UnweightedRMSNorm, which
             # scales a matmul of x) writes no normalized x: no site
             if p != "rms_norm" or not (args and isinstance(out, torch.Tensor)) or out.shape == args[0].shape:
-                calls[p] += 1
+                # Zamba's mixer gates each head's scan output with silu(its gate) in a call of its own
+                calls[p] += getattr(mod, "n_mamba_heads", 1) if "x_proj_weight" in _names(mod) else 1
         return hook
 
     hooks = [mod.register_forward_hook(count(p)) for mod in model.modules() for p, test in tests.items() if test(mod)]

@@ -74,6 +74,13 @@ HF_ZOO: dict[str, dict] = {
     # Dory (nGPT-style): L2-normed hidden states and q / k (x * rsqrt(sum(x^2) + eps): RMSNorm sites), a
     # learned per-vocabulary logit scale folded into the lm_head's rows
     "dory": {},
+    # Zamba: Mamba-1 mixers with per-head projections in every layer, one attention + MLP block shared by
+    # the two hybrid layers (tied weights); Zamba 2: Mamba-2 mixers with a gated RMSNorm, its shared
+    # block with rotary q / k (use_mem_rope)
+    "zamba": {"layer_types": ["hybrid", "linear_attention", "hybrid"], "num_hidden_layers": 3, "mamba_d_state": 8,
+              "mamba_dt_rank": 4, "n_mamba_heads": 2},
+    "zamba2": {"layer_types": ["linear_attention", "hybrid"], "hybrid_layer_ids": [1], "mamba_headdim": 8,
+               "mamba_d_state": 8, "n_mamba_heads": 8, "mamba_ngroups": 1, "chunk_size": 16, "use_mem_rope": True},
     # Inkling 2: softcapped SwiGLU experts (fxfuse::softcapped_swiglu); 4 experts, an lm_head of TINY's
     # vocabulary (its default pads the logits to 200058), relative-position heads at TINY's scale
     "inkling2_text": {"n_routed_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
