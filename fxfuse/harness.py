@@ -88,7 +88,8 @@ def is_gated_mlp(m: nn.Module) -> bool:
     a gated RMSNorm with a SiLU gate (silu(gate) * normed x; Kimi Linear's sigmoid gate is no site);
     xLSTM's proj_up_gate / proj_up; ModernBERT's Wi packing both halves (twice Wo's input width);
     a Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba: its scan output times silu(gate); Zamba's per-head
-    x_proj_weight / dt_proj_weight parameters), and a Mamba-2 one
+    x_proj_weight / dt_proj_weight parameters), a Griffin recurrent block (RecurrentGemma: gelu(linear_y(x))
+    times its recurrence's output), and a Mamba-2 one
     without a gated RMSNorm (_ungated_norm_mixer)."""
     names = _names(m)
     return ({"gate_proj", "up_proj"} <= names or "gate_up_proj" in names or {"w1", "w3"} <= names
@@ -96,6 +97,7 @@ def is_gated_mlp(m: nn.Module) -> bool:
             or {"input_linear", "output_linear", "activation"} <= names or _packed_in_out(m)
             or {"in_proj", "x_proj", "dt_proj", "out_proj"} <= names
             or {"in_proj", "x_proj_weight", "dt_proj_weight", "out_proj"} <= names or _ungated_norm_mixer(m)
+            or {"linear_x", "linear_y", "linear_out"} <= names
             or (type(m).__name__.lower().endswith("rmsnormgated") and getattr(m, "activation", "silu") == "silu"))
 
 
@@ -218,10 +220,28 @@ def as_accurate_as_eager(got: torch.Tensor, eager: torch.Tensor, exact: torch.Te
     return rel_err(got, exact) <= FP64_MULTIPLIER * rel_err(eager, exact) + FP32_TOL / 10
 
 
-def fp64_run(model: nn.Module, call_inputs: dict, loss_of) -> tuple[torch.Tensor, dict] | None:
+def _copy(model: nn.Module, build: Callable[[], nn.Module] | None = None) -> nn.Module:
+    """A deep copy of model; where torch refuses one (weight_norm's non-leaf weights: RecurrentGemma),
+    a fresh build() with model's state loaded."""
+    try:
+        return copy.deepcopy(model)
+    except RuntimeError:
+        if build is None:
+            raise
+    device = next(model.parameters()).device
+    fresh = build().to(device)
+    fresh.load_state_dict(model.state_dict())
+    for a, b in zip(model.modules(), fresh.modules()):
+        b.train(a.training)
+        if isinstance(a, nn.Dropout):
+            b.p = a.p
+    return fresh
+
+
+def fp64_run(model: nn.Module, call_inputs: dict, loss_of, build=None) -> tuple[torch.Tensor, dict] | None:
     """Eager loss and gradients of an fp64 copy of model; None where the model cannot run in fp64
     (one that casts to float32 on its own)."""
-    m64 = copy.deepcopy(model).double()
+    m64 = _copy(model, build).double()
     inputs = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in call_inputs.items()}
     try:
         return step(m64, m64, inputs, loss_of)
@@ -320,7 +340,7 @@ def check(name: str, build: Callable[[], nn.Module], inputs: dict, loss_of=lambd
             m.p = 0.0
     expected = expected_sites(model, inputs, has_loss_head)
     ref_loss, ref_grads = step(model, model, inputs, loss_of)
-    mine = copy.deepcopy(model)
+    mine = _copy(model, build)
     n0 = len(fxfuse.compiled_reports())
     compiled = torch.compile(mine, backend="fxfuse", options={"inner": inner})
     census = Census(mine)
@@ -329,11 +349,11 @@ def check(name: str, build: Callable[[], nn.Module], inputs: dict, loss_of=lambd
     loss_err, grad_err = rel_err(loss, ref_loss), grad_error(grads, ref_grads)
     fp64_ok, fp64 = False, []
     if not (loss_err < FP32_TOL and grad_err < FP32_TOL) and grads.keys() == ref_grads.keys():
-        fp64_ok, fp64 = fp64_verdict(loss, grads, ref_loss, ref_grads, fp64_run(model, inputs, loss_of))
+        fp64_ok, fp64 = fp64_verdict(loss, grads, ref_loss, ref_grads, fp64_run(model, inputs, loss_of, build))
     bf16 = None
     if bf16_steps:
         torch._dynamo.reset()
-        eager_model, fx_model = copy.deepcopy(model), copy.deepcopy(model)
+        eager_model, fx_model = _copy(model, build), _copy(model, build)
         ref = _train(eager_model, eager_model, inputs, loss_of, bf16_steps)
         got = _train(fx_model, torch.compile(fx_model, backend="fxfuse", options={"inner": inner}),
                      inputs, loss_of, bf16_steps)

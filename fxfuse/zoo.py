@@ -77,6 +77,9 @@ HF_ZOO: dict[str, dict] = {
     # Zamba: Mamba-1 mixers with per-head projections in every layer, one attention + MLP block shared by
     # the two hybrid layers (tied weights); Zamba 2: Mamba-2 mixers with a gated RMSNorm, its shared
     # block with rotary q / k (use_mem_rope)
+    # RecurrentGemma (Griffin): a recurrent block (gelu(linear_y(x)) times its RG-LRU output: a gated site)
+    # then a local-attention block; its weight-normed parameters refuse deepcopy (harness._copy rebuilds)
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     "zamba": {"layer_types": ["hybrid", "linear_attention", "hybrid"], "num_hidden_layers": 3, "mamba_d_state": 8,
               "mamba_dt_rank": 4, "n_mamba_heads": 2},
     "zamba2": {"layer_types": ["linear_attention", "hybrid"], "hybrid_layer_ids": [1], "mamba_headdim": 8,

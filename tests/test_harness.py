@@ -114,6 +114,11 @@ def _module(cls_name: str, children=(), params=(), **attrs) -> nn.Module:
     (_module("MambaMixer", ["in_proj", "conv1d", "x_proj", "dt_proj", "out_proj"], ["A_log", "D"]), False, True, False),
     (_module("FalconH1Mixer", ["in_proj", "conv1d", "out_proj", "norm"], ["A_log", "D"]), False, True, False),
     (_module("Qwen2_5_VLVisionAttention", ["qkv", "proj"]), False, False, True),
+    (_module("ZambaMambaMixer", ["in_proj", "conv1d", "out_proj"], ["x_proj_weight", "dt_proj_weight"]), False, True,
+     False),
+    (_module("RecurrentGemmaRecurrentBlock", ["linear_y", "linear_x", "linear_out", "conv_1d", "rg_lru"]), False,
+     True, False),
+    (_module("DoryL2Norm"), True, False, False),
 ])
 def test_site_rules_by_name(mod, rms, gated, attention):
     assert (is_rms_norm(mod), is_gated_mlp(mod), is_attention(mod)) == (rms, gated, attention)
@@ -163,6 +168,33 @@ def test_a_mamba2_mixer_with_a_gated_norm_is_not_a_second_site():
     assert not is_gated_mlp(mixer)
 
 
+class ZambaLike(nn.Module):
+    """A mixer gating each head's output in a call of its own, and a q / k l2norm function of its file."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_proj, self.out_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.x_proj_weight, self.dt_proj_weight = nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1))
+        self.n_mamba_heads = 3
+
+    def forward(self, x):
+        q, k = l2norm(self.in_proj(x)), l2norm(x)
+        return self.out_proj(q * k)
+
+
+def l2norm(x, eps=1e-6):  # as HF's linear-attention files define it, at module level
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+_L2NORM = l2norm
+
+
+def test_per_head_gated_mixer_and_l2norm_function_calls_are_counted():
+    sites = expected_sites(ZambaLike(), {"x": torch.randn(2, 8)}, False)
+    assert sites["swiglu"] == 3 and sites["rms_norm"] == 2
+    assert globals()["l2norm"] is _L2NORM  # the counting wrapper is gone after the forward
+
+
 def test_rope_sites_per_tower():
     """An attention module is a RoPE site only when its own tower (the innermost HF PreTrainedModel
     holding it) has a rotary embedding: a VLM's CLIP attention is none, its language model's is."""
@@ -191,3 +223,26 @@ def test_an_attention_with_its_own_sin_cos_table_uses_rope(rotary_dim):
 
     assert uses_rope(nn.Sequential(Attention()))
     assert not uses_rope(nn.Sequential(nn.Linear(16, 16)))
+
+
+def test_copy_rebuilds_a_model_that_refuses_deepcopy():
+    """torch.nn.utils.weight_norm's weight is a non-leaf tensor after a forward, and deepcopy refuses
+    it (RecurrentGemma): the harness builds a fresh model and loads the original's state instead."""
+    import copy
+
+    from fxfuse.harness import _copy
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.utils.weight_norm(torch.nn.Linear(4, 3))
+
+    model = build()
+    with torch.no_grad():
+        model.weight_g.mul_(2.0)  # differs from a fresh build: the copy must carry the state
+    model(torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match="deepcopy"):
+        copy.deepcopy(model)
+    twin = _copy(model, build)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(twin(x), model(x), rtol=0, atol=0)
+    assert twin is not model and twin.weight_g.data_ptr() != model.weight_g.data_ptr()
