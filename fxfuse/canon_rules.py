@@ -203,16 +203,16 @@ def _is_vocab_prefix(n: fx.Node) -> bool:
             and isinstance(end, int) and not isinstance(end, bool) and 0 < end < size)
 
 
-def _vocab_slice(n) -> fx.Node | None:
+def _vocab_slice(n, hops: int = 8) -> fx.Node | None:
     """The ``z[..., :V]`` (see _is_vocab_prefix) on the logits' way into cross_entropy, n its input,
-    through ops of one tensor operand and one user each (casts, a scale, a softcap, row merges);
-    None if there is none. It reads as z: the loss head lowers with the weight's first V rows."""
-    for _ in range(8):
-        if not (isinstance(n, fx.Node) and n.op == "call_function" and len(n.users) == 1):
-            return None
-        if n.target == aten.slice.Tensor:
-            return n if _is_vocab_prefix(n) else None
-        if len(n.all_input_nodes) != 1:
-            return None
-        n = n.all_input_nodes[0]
+    through ops of one tensor operand and one user each (casts, a scale, a softcap, row merges) or a
+    product with a tensor (a learned logit scale: either factor may be the logits); None if there is
+    none. It reads as z: the loss head lowers with the weight's first V rows."""
+    if hops == 0 or not (isinstance(n, fx.Node) and n.op == "call_function" and len(n.users) == 1):
+        return None
+    if n.target == aten.slice.Tensor:
+        return n if _is_vocab_prefix(n) else None
+    inputs = n.all_input_nodes
+    if len(inputs) == 1 or (len(inputs) == 2 and n.target == aten.mul.Tensor):
+        return next((s for s in (_vocab_slice(a, hops - 1) for a in inputs) if s is not None), None)
     return None

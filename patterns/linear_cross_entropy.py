@@ -197,8 +197,9 @@ def check(m) -> str | None:
     if scale is not None:
         if scale.dtype not in SUPPORTED:
             return f"logit scale dtype {scale.dtype} not supported (float32, bfloat16, float16)"
-        if tuple(scale.shape) not in ((), (1,), (w.shape[0],)):
-            return (f"logit scale of shape {list(scale.shape)} is neither per vocabulary entry ([{w.shape[0]}]) "
+        vocab = _vocab_prefix(m) or w.shape[0]  # a padded lm_head's logits sliced to V: s is [V]
+        if tuple(scale.shape) not in ((), (1,), (vocab,)):
+            return (f"logit scale of shape {list(scale.shape)} is neither per vocabulary entry ([{vocab}]) "
                     "nor one number: only those fold into the lm_head weight")
     logits = val(m.anchor.args[0])
     if m.variant.fn is not lce_class_dim_second and (logits is None or logits.dim() != 2):

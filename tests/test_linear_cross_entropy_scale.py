@@ -54,6 +54,24 @@ def test_learned_logit_scale_fused_with_parity(order, shape, bias, inner):
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
 
 
+def test_scale_of_a_padded_lm_head_sliced_to_the_vocabulary():
+    """nanochat-style padded lm_head: logits z[..., :V] then a [V] scale; the scale folds into W's
+    first V rows, the padding rows get no gradient."""
+    lin, scale = nn.Linear(H, V + 8, bias=False), nn.Parameter(0.5 + torch.rand(V))
+    x, t = torch.randn(2, 5, H), torch.randint(0, V, (2, 5))
+
+    def head(x, t):
+        return F.cross_entropy((lin(x)[..., :V].float() * scale).view(-1, V), t.view(-1))
+
+    ref = torch.autograd.grad(head(x, t), (lin.weight, scale))
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(head, backend="fxfuse", options={"inner": "aot_eager"})(x, t),
+                              (lin.weight, scale))
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1, str(fxfuse.last_report())
+    assert all(rel_err(g, r) < FP32_TOL for g, r in zip(got, ref))
+    assert got[0][V:].abs().max() == 0
+
+
 def test_per_token_scale_is_reported():
     """A scale that varies per token ([N, V]) folds into no weight: unfused, and the report says why."""
     lin, x, t = nn.Linear(H, V, bias=False), torch.randn(6, H), torch.randint(0, V, (6,))
