@@ -11,6 +11,8 @@ EXPECTED = {  # sites per pattern: (vision tower, language model) summed
     "qwen2_vl": {"rms_norm": 5, "rope": 4, "swiglu": 2, "linear_cross_entropy": 1},
     "qwen2_5_vl": {"rms_norm": 10, "rope": 4, "swiglu": 4, "linear_cross_entropy": 1},
     "qwen3_vl": {"rms_norm": 9, "rope": 4, "swiglu": 2, "linear_cross_entropy": 1},
+    "qwen3_5": {"rms_norm": 10, "rope": 3, "swiglu": 3, "linear_cross_entropy": 1},  # 2 q / k L2 norms
+    "glm4v": {"rms_norm": 15, "rope": 4, "swiglu": 5, "linear_cross_entropy": 1},
     "llava": {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
     "gemma3": {"rms_norm": 14, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
     "mistral3": {"rms_norm": 11, "rope": 4, "swiglu": 4, "linear_cross_entropy": 1},
