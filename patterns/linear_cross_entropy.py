@@ -281,6 +281,19 @@ def _hidden(m) -> list:
             (f"grad of logits (backward):{str(dtype).removeprefix('torch.')}[{rows}, {vocab}]", bytes_of(grad))]
 
 
+def _folded_weight(m) -> list:
+    """The lm_head weight with a learned logit scale folded in, [V, H] in the lm_head's dtype: written
+    each forward and kept for backward, where the unfused graph reads W itself."""
+    from fxfuse.rewrite import bytes_of, example_shape
+
+    if "s" not in m.inputs:
+        return []
+    w, vocab = val(m.inputs["w"]), _vocab_prefix(m)
+    folded = torch.empty((vocab or w.shape[0], w.shape[1]), dtype=val(_logits_node(m)).dtype, device="meta")
+    desc = f"lm_head weight * logit scale:{str(folded.dtype).removeprefix('torch.')}{example_shape(folded)}"
+    return [(desc, bytes_of(folded))]
+
+
 def _miss_reason(ce: fx.Node) -> str | None:
     """Logits that arrive as a graph input: the lm_head ran in another graph."""
     n = ce.args[0]
@@ -335,6 +348,7 @@ PATTERN = Pattern(
     lower=lower,
     may_escape=_returned_only,
     hidden_saved=_hidden,
+    written_instead=_folded_weight,
     free_literals={aten.cross_entropy_loss.default: {3: "reduction"}},
     is_candidate=lambda n: n.target == aten.cross_entropy_loss.default,
     miss_reason=_miss_reason,

@@ -50,6 +50,7 @@ def test_learned_logit_scale_fused_with_parity(order, shape, bias, inner):
     loss_err, grad_err, report, names = compiled_parity(model, _inputs(), inner=inner, loss_fn=lambda out: out)
     (site,) = report.matched
     assert site.pattern == "linear_cross_entropy" and "vocab_scaled" in site.variant, str(report)
+    assert "; writes lm_head weight * logit scale:float32[40, 16] instead (2.5 KiB/call)" in site.saved, site.saved
     assert "scale" in names and "lin.weight" in names
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
 
