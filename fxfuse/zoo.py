@@ -58,7 +58,8 @@ HF_ZOO: dict[str, dict] = {
                      "intermediate_size": [48] * 2, "activation_sparsity_pattern": [0.95, 0.0], "altup_num_inputs": 2,
                      "vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 8, "laurel_rank": 4},
     # Qwen3.5: a gated-delta-net linear attention layer (its gated RMSNorm: an RMSNorm and a SiLU-gate
-    # site; its q / k l2norm: two more RMSNorm sites) then a full attention layer, linear-attention heads at TINY's scale
+    # site; its q / k l2norm: two more RMSNorm sites) then a full attention layer, linear-attention heads
+    # at TINY's scale
     "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 8,
                      "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4},
     # AXK2: MLA with DeepSeek sparse attention (an indexer that rotates its own q / k: a second RoPE
@@ -74,12 +75,12 @@ HF_ZOO: dict[str, dict] = {
     # Dory (nGPT-style): L2-normed hidden states and q / k (x * rsqrt(sum(x^2) + eps): RMSNorm sites), a
     # learned per-vocabulary logit scale folded into the lm_head's rows
     "dory": {},
-    # Zamba: Mamba-1 mixers with per-head projections in every layer, one attention + MLP block shared by
-    # the two hybrid layers (tied weights); Zamba 2: Mamba-2 mixers with a gated RMSNorm, its shared
-    # block with rotary q / k (use_mem_rope)
     # RecurrentGemma (Griffin): a recurrent block (gelu(linear_y(x)) times its RG-LRU output: a gated site)
     # then a local-attention block; its weight-normed parameters refuse deepcopy (harness._copy rebuilds)
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    # Zamba: Mamba-1 mixers with per-head projections in every layer, one attention + MLP block shared by
+    # the two hybrid layers (tied weights); Zamba 2: Mamba-2 mixers with a gated RMSNorm, its shared
+    # block with rotary q / k (use_mem_rope)
     "zamba": {"layer_types": ["hybrid", "linear_attention", "hybrid"], "num_hidden_layers": 3, "mamba_d_state": 8,
               "mamba_dt_rank": 4, "n_mamba_heads": 2},
     "zamba2": {"layer_types": ["linear_attention", "hybrid"], "hybrid_layer_ids": [1], "mamba_headdim": 8,
