@@ -25,8 +25,8 @@ def _ids(n_image: int, start: int | None = None, end: int | None = None) -> tupl
 
 
 def qwen_vl(model_type: str):
-    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 / GLM-4V: a vision transformer with 2-D RoPE on unbatched
-    [T, H, D] q / k, M-RoPE in the language model; one 8 x 8-patch image merged 2 x 2 into 16 tokens.
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL (-MoE) / Qwen3.5 / GLM-4V (-MoE): a vision transformer with 2-D RoPE
+    on unbatched [T, H, D] q / k, M-RoPE in the language model; one 8 x 8-patch image merged 2 x 2 into 16 tokens.
     Qwen3.5's language model: a gated-delta-net linear attention layer (q / k L2 norms) then a full one;
     GLM-4V's tower: RMSNorm, SwiGLU, learned position embeddings on the image_size / patch_size grid."""
     from transformers import AutoConfig
@@ -38,15 +38,21 @@ def qwen_vl(model_type: str):
                       spatial_merge_size=2, temporal_patch_size=2)
     rope = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
     text, tokens = dict(TEXT), dict(vision_start_token_id=102, vision_end_token_id=103)
-    if model_type in ("qwen3_vl", "qwen3_5"):  # learned position embeddings on a 4 x 4 grid
+    if model_type in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5"):  # learned position embeddings on a 4 x 4 grid
         vision = {k: v for k, v in vision.items() if k not in ("window_size", "fullatt_block_indexes")}
         vision |= dict(num_position_embeddings=16)
-        vision |= {"deepstack_visual_indexes": [0]} if model_type == "qwen3_vl" else {}  # DeepStack from block 0
+        vision |= {"deepstack_visual_indexes": [0]} if model_type != "qwen3_5" else {}  # DeepStack from block 0
         rope |= {"mrope_interleaved": True}
+    if model_type == "qwen3_vl_moe":  # 4 experts in every layer
+        text |= dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    if model_type == "glm4v_moe":  # 4 routed experts after one dense layer, one shared expert; its rotary
+        # half of 16-wide heads takes the M-RoPE sections
+        text |= dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+                     n_shared_experts=1, head_dim=16)
     if model_type == "qwen3_5":
         text |= dict(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
                      linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
-    if model_type == "glm4v":
+    if model_type in ("glm4v", "glm4v_moe"):
         vision = {k: v for k, v in vision.items() if k not in ("window_size", "fullatt_block_indexes")}
         vision |= dict(image_size=16)
         tokens = dict(image_start_token_id=102, image_end_token_id=103, video_start_token_id=104,
@@ -157,6 +163,7 @@ def internvl():
 
 
 VLMS = {"qwen2_vl": lambda: qwen_vl("qwen2_vl"), "qwen2_5_vl": lambda: qwen_vl("qwen2_5_vl"),
-        "qwen3_vl": lambda: qwen_vl("qwen3_vl"), "qwen3_5": lambda: qwen_vl("qwen3_5"),
-        "glm4v": lambda: qwen_vl("glm4v"), "llava": llava, "gemma3": gemma3, "mistral3": mistral3,
+        "qwen3_vl": lambda: qwen_vl("qwen3_vl"), "qwen3_vl_moe": lambda: qwen_vl("qwen3_vl_moe"),
+        "qwen3_5": lambda: qwen_vl("qwen3_5"), "glm4v": lambda: qwen_vl("glm4v"),
+        "glm4v_moe": lambda: qwen_vl("glm4v_moe"), "llava": llava, "gemma3": gemma3, "mistral3": mistral3,
         "paligemma": paligemma, "smolvlm": smolvlm, "llama4": llama4, "internvl": internvl}

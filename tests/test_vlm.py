@@ -13,6 +13,8 @@ EXPECTED = {  # sites per pattern: (vision tower, language model) summed
     "qwen3_vl": {"rms_norm": 9, "rope": 4, "swiglu": 2, "linear_cross_entropy": 1},
     "qwen3_5": {"rms_norm": 10, "rope": 3, "swiglu": 3, "linear_cross_entropy": 1},  # 2 q / k L2 norms
     "glm4v": {"rms_norm": 15, "rope": 4, "swiglu": 5, "linear_cross_entropy": 1},
+    "qwen3_vl_moe": {"rms_norm": 9, "rope": 4, "swiglu": 2, "linear_cross_entropy": 1},
+    "glm4v_moe": {"rms_norm": 11, "rope": 4, "swiglu": 6, "linear_cross_entropy": 1},
     "llava": {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
     "gemma3": {"rms_norm": 14, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
     "mistral3": {"rms_norm": 11, "rope": 4, "swiglu": 4, "linear_cross_entropy": 1},
@@ -22,10 +24,11 @@ EXPECTED = {  # sites per pattern: (vision tower, language model) summed
     "internvl": {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
 }
 # Graphs no backend compiles, which Dynamo then runs eagerly; they hold no site. AOTAutograd cannot
-# trace Qwen3-VL's DeepStack add, ``h[mask, :] = h[mask, :] + v`` (the backward of a boolean-mask
-# index_put needs a data-dependent nonzero), nor Mistral 3's patch merger, which views the image
-# features by sizes read from a tensor (``.item()``); plain aot_eager fails on both the same way.
-NO_BACKEND = {"qwen3_vl": "nonzero", "mistral3": "_local_scalar_dense"}
+# trace Qwen3-VL's (and Qwen3-VL-MoE's) DeepStack add, ``h[mask, :] = h[mask, :] + v`` (the backward
+# of a boolean-mask index_put needs a data-dependent nonzero), nor Mistral 3's patch merger, which
+# views the image features by sizes read from a tensor (``.item()``); plain aot_eager fails on both
+# the same way.
+NO_BACKEND = {"qwen3_vl": "nonzero", "qwen3_vl_moe": "nonzero", "mistral3": "_local_scalar_dense"}
 
 
 @pytest.mark.parametrize("model_type", VLMS)
