@@ -7,6 +7,11 @@ is the difference to these rows).
 
     python bench/bench_linear_cross_entropy.py [--shapes 8192x4096x128256] [--dtype bfloat16]
         [--label-smoothing 0.1] [--softcap 30] [--bias] [--frozen-weight] [--fast-rows 512 2048]
+        [--vocab-scale]
+
+--vocab-scale times Dory's head instead, ``cross_entropy(linear(x, W, b).float() * s, t)`` with a
+learned [V] scale s (its gradient included): fxfuse fuses it through the backend, folding s into W's
+rows (providers eager, inductor, fxfuse-compiled[-lean]; Liger and the bare op have no such scale).
 
 Each case (NxHxV) times ``loss = f(x, W, b, target)`` and ``torch.autograd.grad`` of x, W (and b),
 and reports ms, TFLOP/s from ``lce_flops`` (the three matmuls any implementation needs;
@@ -79,41 +84,57 @@ def _matmul_step(x, w, rows: int):
     return step
 
 
+def lce_vocab_scaled(x, w, b, t, s, ignore_index: int, label_smoothing: float):
+    """Dory's loss head: logits.float() times a learned per-vocabulary scale s [V], then cross-entropy."""
+    logits = torch.nn.functional.linear(x, w, b).float() * s.float()
+    return torch.nn.functional.cross_entropy(logits, t, ignore_index=ignore_index, label_smoothing=label_smoothing)
+
+
 def _liger_fn(args):
-    """(fn(x, w, b, t) -> loss, note); fn is None when Liger cannot run this case."""
+    """(fn(x, w, b, t, s) -> loss, note); fn is None when Liger cannot run this case."""
     if not have_liger():
         return None, "liger_kernel not installed"
-    if args.logit_scale != 1.0:
-        return None, "liger has no logit_scale"
+    if args.logit_scale != 1.0 or args.vocab_scale:
+        return None, "liger has no logit scale"
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
     kw = dict(ignore_index=IGNORE_INDEX, label_smoothing=args.label_smoothing, reduction="mean")
     if args.softcap > 0:
         kw["softcap"] = args.softcap
     loss = LigerFusedLinearCrossEntropyLoss(**kw)
-    return (lambda x, w, b, t: loss(w, x, t, b)), ""
+    return (lambda x, w, b, t, s: loss(w, x, t, b)), ""
+
+
+def _definition(args):
+    """(eager definition, its trailing arguments): fn(x, w, b, t, s) = definition(x, w, b, t, [s,] *extra)."""
+    from fxfuse.kernels.linear_cross_entropy import linear_cross_entropy_eager
+
+    if args.vocab_scale:
+        return (lambda x, w, b, t, s, *e: lce_vocab_scaled(x, w, b, t, s, *e)), (IGNORE_INDEX, args.label_smoothing)
+    return ((lambda x, w, b, t, s, *e: linear_cross_entropy_eager(x, w, b, t, *e)),
+            (IGNORE_INDEX, "mean", args.label_smoothing, args.softcap, args.logit_scale))
 
 
 def _provider_fn(provider: str, args):
-    """(fn(x, w, b, t) -> 0-dim loss, note); fn is None when the provider cannot run."""
-    from fxfuse.kernels.linear_cross_entropy import linear_cross_entropy_eager
-
-    extra = (IGNORE_INDEX, "mean", args.label_smoothing, args.softcap, args.logit_scale)
+    """(fn(x, w, b, t, s) -> 0-dim loss, note); fn is None when the provider cannot run."""
+    definition, extra = _definition(args)
     if provider == "eager":
-        return (lambda x, w, b, t: linear_cross_entropy_eager(x, w, b, t, *extra)), ""
+        return (lambda x, w, b, t, s: definition(x, w, b, t, s, *extra)), ""
     if provider == "inductor":
-        compiled = torch.compile(linear_cross_entropy_eager)
-        return (lambda x, w, b, t: compiled(x, w, b, t, *extra)), ""
+        compiled = torch.compile(definition)
+        return (lambda x, w, b, t, s: compiled(x, w, b, t, s, *extra)), ""
     if provider == "liger":
         return _liger_fn(args)
     if provider.startswith("fxfuse-compiled"):
         options = {"loss_head": "lean"} if provider.endswith("-lean") else {}
-        compiled = torch.compile(linear_cross_entropy_eager, backend="fxfuse", options=options)
-        note = _fused_note(linear_cross_entropy_eager, options, extra, args)
-        return (lambda x, w, b, t: compiled(x, w, b, t, *extra)), note
+        compiled = torch.compile(definition, backend="fxfuse", options=options)
+        note = _fused_note(definition, options, extra, args)
+        return (lambda x, w, b, t, s: compiled(x, w, b, t, s, *extra)), note
     if provider in ("fxfuse", "fxfuse-fast"):
+        if args.vocab_scale:
+            return None, "the bare op takes no scale tensor: fxfuse-compiled folds it into W"
         algorithm = "fast" if provider == "fxfuse-fast" else "lean"
-        return (lambda x, w, b, t: torch.ops.fxfuse.linear_cross_entropy(x, w, b, t, *extra, algorithm)), ""
+        return (lambda x, w, b, t, s: torch.ops.fxfuse.linear_cross_entropy(x, w, b, t, *extra, algorithm)), ""
     raise ValueError(provider)
 
 
@@ -121,37 +142,39 @@ def _fused_note(fn, options: dict, extra: tuple, args) -> str:
     """What fxfuse.explain reports for fn compiled with these options, on a small case."""
     import fxfuse
 
-    x, w, b, t = _inputs(64, 32, 128, torch.float32, args)
-    report = fxfuse.explain(fn, x, w, b, t, *extra, fxfuse_options=options)
+    x, w, b, t, s = _inputs(64, 32, 128, torch.float32, args, device="cuda" if torch.cuda.is_available() else "cpu")
+    report = fxfuse.explain(fn, x, w, b, t, s, *extra, fxfuse_options=options)
     fused = report.counts().get("linear_cross_entropy", 0)
     return f"loss head fused {fused}x, {len(report.unmatched)} unmatched"
 
 
-def _inputs(n: int, h: int, v: int, dtype: torch.dtype, args, seed: int = 0):
-    """x [n, h], W [v, h] (std 1/sqrt(h): logits ~ N(0, 1)), b [v] or None, target [n] with ~5% ignored."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(n, h, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-    w = (torch.randn(v, h, device="cuda", dtype=dtype, generator=gen) * h**-0.5).requires_grad_(not args.frozen_weight)
-    b = torch.randn(v, device="cuda", dtype=dtype, generator=gen).requires_grad_() if args.bias else None
-    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
-    t[torch.rand(n, device="cuda", generator=gen) < 0.05] = IGNORE_INDEX
-    return x, w, b, t
+def _inputs(n: int, h: int, v: int, dtype: torch.dtype, args, seed: int = 0, device: str = "cuda"):
+    """x [n, h], W [v, h] (std 1/sqrt(h): logits ~ N(0, 1)), b [v] or None, target [n] with ~5% ignored,
+    s [v] in [0.5, 1.5) (--vocab-scale) or None."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n, h, device=device, dtype=dtype, generator=gen).requires_grad_()
+    w = (torch.randn(v, h, device=device, dtype=dtype, generator=gen) * h**-0.5).requires_grad_(not args.frozen_weight)
+    b = torch.randn(v, device=device, dtype=dtype, generator=gen).requires_grad_() if args.bias else None
+    t = torch.randint(0, v, (n,), device=device, generator=gen)
+    t[torch.rand(n, device=device, generator=gen) < 0.05] = IGNORE_INDEX
+    s = (torch.rand(v, device=device, dtype=dtype, generator=gen) + 0.5).requires_grad_() if args.vocab_scale else None
+    return x, w, b, t, s
 
 
-def _fwd_bwd(fn, x, w, b, t):
-    """[loss, dx, (dW), (db)] of one fwd+bwd, without accumulating into .grad."""
-    wrt = [p for p in (x, w, b) if p is not None and p.requires_grad]
-    loss = fn(x, w, b, t)
+def _fwd_bwd(fn, x, w, b, t, s):
+    """[loss, dx, (dW), (db), (ds)] of one fwd+bwd, without accumulating into .grad."""
+    wrt = [p for p in (x, w, b, s) if p is not None and p.requires_grad]
+    loss = fn(x, w, b, t, s)
     return [loss, *torch.autograd.grad(loss, wrt)]
 
 
 def _max_rel_err(fn, n: int, h: int, v: int, dtype: torch.dtype, args) -> float:
     """Max over loss and grads of max|got - ref| / max|ref|, ref = fp32 eager on the same inputs."""
-    x, w, b, t = _inputs(n, h, v, dtype, args, seed=1)
+    x, w, b, t, s = _inputs(n, h, v, dtype, args, seed=1)
     up = lambda p: p.detach().float().requires_grad_(p.requires_grad) if p is not None else None  # noqa: E731
     eager, _ = _provider_fn("eager", args)
-    ref = _fwd_bwd(eager, up(x), up(w), up(b), t)
-    got = _fwd_bwd(fn, x, w, b, t)
+    ref = _fwd_bwd(eager, up(x), up(w), up(b), t, up(s))
+    got = _fwd_bwd(fn, x, w, b, t, s)
     return max(((g.float() - r).abs().max() / r.abs().max()).item() for g, r in zip(got, ref))
 
 
@@ -193,7 +216,7 @@ def _provider_row(case: Case, provider: str, args, fast_rows: int | None = None)
     label = provider if fast_rows is None else f"{provider} R={fast_rows}"
     chunks._CHUNK_OVERRIDE = None if fast_rows is None else (fast_rows, 4096, 4096)
     try:
-        x, w, b, t = _inputs(n, h, v, case.dtype, args)
+        x, w, b, t, s = _inputs(n, h, v, case.dtype, args)
         if provider.startswith("matmuls"):
             passes = n if provider == "matmuls" else _fast_rows(n, v, x.element_size())  # honours fast_rows
             step, err = _matmul_step(x.detach(), w.detach(), passes), None
@@ -203,7 +226,7 @@ def _provider_row(case: Case, provider: str, args, fast_rows: int | None = None)
             if fn is None:
                 return Row(case.name, label, None, note=note)
             err = _max_rel_err(fn, n, h, v, case.dtype, args)
-            step = lambda: _fwd_bwd(fn, x, w, b, t)  # noqa: E731
+            step = lambda: _fwd_bwd(fn, x, w, b, t, s)  # noqa: E731
         ms = bench_ms(step)
         gbps = nbytes / ms / 1e6
         note = f"{flops / ms / 1e9:.0f} TFLOP/s" + (f", {note}" if note else "")
@@ -221,6 +244,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logit-scale", type=float, default=1.0)
     parser.add_argument("--bias", action="store_true", help="lm_head with a bias [V]")
     parser.add_argument("--frozen-weight", action="store_true", help="W.requires_grad = False (no dW)")
+    parser.add_argument("--vocab-scale", action="store_true",
+                        help="Dory's head: logits.float() * a learned [V] scale (see the module doc)")
     parser.add_argument("--providers", nargs="+", default=list(LCE_PROVIDERS), choices=LCE_PROVIDERS)
     parser.add_argument("--fast-rows", type=int, nargs="+", default=None,
                         help="also time fxfuse-fast (and matmuls-passes) at these rows per pass")

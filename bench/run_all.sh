@@ -38,7 +38,9 @@ has swiglu && run swiglu && run swiglu --cuda-graph && run swiglu --chunked --sh
   && run swiglu --act clamped_swiglu --shapes 65536x2880 16384x2880 \
   && run swiglu --act clamped_swiglu --shapes 65536x2880 16384x2880 --cuda-graph
 has rope && run rope && run rope --cuda-graph
-has linear_cross_entropy && run linear_cross_entropy
+has linear_cross_entropy && run linear_cross_entropy \
+  && run linear_cross_entropy --vocab-scale --shapes 8192x4096x128256 --providers eager inductor fxfuse-compiled \
+     fxfuse-compiled-lean
 has nanochat && run nanochat
 for script in tune_rms_norm probe_rms_norm; do  # sweeps and probes, only when named
   if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" $script "* ]]; then

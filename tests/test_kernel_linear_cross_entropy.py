@@ -304,3 +304,22 @@ def test_bench_counts(monkeypatch):
     monkeypatch.setattr(lce_chunks, "_CHUNK_OVERRIDE", None)  # this file's fixture forces small chunks
     assert bench._fast_rows(n, v, 2) == 1024  # the fast algorithm's own pass size at the target shape
     bench._matmul_step(torch.randn(10, 8), torch.randn(30, 8), 4)()  # the floor's three matmuls, 3 passes
+
+
+def test_bench_vocab_scale_case_is_fused_and_agrees_with_eager():
+    """--vocab-scale (Dory's head) on CPU: fxfuse-compiled fuses it (the scale folded into W) and its
+    loss and gradients, the scale's included, match the eager definition the benchmark times."""
+    import argparse
+
+    bench = load_script("bench", "bench_linear_cross_entropy")
+    parser = argparse.ArgumentParser()
+    bench.add_args(parser)
+    args = parser.parse_args(["--vocab-scale", "--bias"])
+    torch._dynamo.reset()
+    fused, note = bench._provider_fn("fxfuse-compiled-lean", args)
+    assert note == "loss head fused 1x, 0 unmatched", note
+    eager, _ = bench._provider_fn("eager", args)
+    assert bench._provider_fn("liger", args)[0] is None and bench._provider_fn("fxfuse", args)[0] is None
+    x, w, b, t, s = bench._inputs(40, 16, 70, torch.float32, args, device="cpu")
+    for g, r in zip(bench._fwd_bwd(fused, x, w, b, t, s), bench._fwd_bwd(eager, x, w, b, t, s), strict=True):
+        assert rel(g, r) < 1e-5
