@@ -20,6 +20,10 @@ def test_zoo_model_on_cuda_with_inductor(model_type):
 
     if model_type not in transformers.CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+    if model_type == "qwen3_5_text" and version < (5, 25):  # checked on CPU with 5.17 and 5.24
+        pytest.skip(f"transformers {transformers.__version__}: plain backend='aot_eager' already fails on "
+                    "qwen3_5_text's backward (a view error), no fxfuse involved; 5.25 compiles it")
     torch._dynamo.reset()
     r = check_hf(model_type, inner="inductor", device="cuda")
     assert r.passed, summary(r)
