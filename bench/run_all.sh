@@ -11,6 +11,8 @@
 #   bash bench/run_all.sh gpu_tests                # the gpu-marked tests (kernels on CUDA), only when named
 #   bash bench/run_all.sh fsdp2                    # 2-GPU FSDP2 step (examples/fsdp2_bench.py), only when named
 #                                                  # (FSDP_ARGS=--checkpointing: activation checkpointing too)
+#   EXTRA_SITE=/tmp/site25 bash bench/run_all.sh zoo  # with packages of /tmp/site25 first on the path (from
+#                                                  # .whl_tf: pip install --no-deps --target /tmp/site25 .whl_tf/*.whl)
 #   ZOO_INNER=inductor bash bench/run_all.sh zoo   # the harness on CUDA (fxfuse check --device cuda) over the HF
 #                                                  # zoo and VLMs (ZOO_MODELS="llama qwen2 ..." for fewer),
 #                                                  # ZOO_JOBS processes at once (default 8), logs in zoo.log; only when named
@@ -24,7 +26,8 @@ if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: runs in parallel on sever
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . 2>&1 | tail -2
 fi
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+# EXTRA_SITE=dir: packages installed there shadow /tmp/site's (another transformers, say)
+export PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}/tmp/site PYTHONUNBUFFERED=1
 cd /tmp
 {
   date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
