@@ -158,10 +158,11 @@ def _miss_reason(n: fx.Node) -> str | None:
     if n.target == aten.linalg_vector_norm.default:
         return _L2_REASON
     v = n.args[0] if n.target != aten.rms_norm.default else None
-    if isinstance(v, fx.Node) and v.target == aten.add.Tensor:
+    eps_under_root = isinstance(v, fx.Node) and v.target == aten.add.Tensor
+    if eps_under_root:
         v = next((a for a in v.args if isinstance(a, fx.Node)), None)
     if isinstance(v, fx.Node) and v.target == aten.sum.dim_IntList:
-        return _L2_REASON
+        return _L2_OTHER_REASON if eps_under_root else _L2_REASON
     if isinstance(v, fx.Node) and v.target == aten.mean.dim and not _scales_its_source(n, v.args[0]):
         return ("the inverse RMS of x is not multiplied into x (it scales another tensor: DeepSeek-V4's "
                 "hyper-connection mixes, say), so no normalized x is written to fuse away")
@@ -170,6 +171,8 @@ def _miss_reason(n: fx.Node) -> str | None:
 
 _L2_REASON = ("an L2 norm (the root of the sum of squares) with no eps under the root (x / ||x||, "
               "linalg.vector_norm): the L2 variants fuse x * rsqrt(sum(x^2) + eps) only")
+_L2_OTHER_REASON = ("an L2 norm with eps under the root, written in a way no l2norm variant covers (the sum "
+                    "over another dim than the last, or of another tensor's squares than the one it scales)")
 
 
 def _divided_root(n: fx.Node, hops: int = 4) -> list[fx.Node] | None:

@@ -201,6 +201,18 @@ def test_l2_norm_bf16_within_twice_eagers_error(spelling):
     assert f_loss <= 2 * e_loss + 1e-6 and f_grad <= 2 * e_grad, (e_loss, e_grad, f_loss, f_grad)
 
 
+def test_l2_norm_over_another_dim_is_reported_as_such():
+    """eps under the root, but the sum runs over dim 1 of [B, T, D]: no variant, and the reason does not
+    claim the eps is missing (as it does for x / ||x||)."""
+    report = fxfuse.explain(lambda x: x * torch.rsqrt((x * x).sum(1, keepdim=True) + 1e-6), torch.randn(2, 5, 8))
+    assert report.counts()["rms_norm"] == 0
+    (site,) = report.unmatched
+    assert site.reason.startswith("an L2 norm with eps under the root, written in a way no l2norm"), site.reason
+    report = fxfuse.explain(lambda x: x * torch.rsqrt((x * x).sum(-1, keepdim=True)), torch.randn(2, 5, 8))
+    (site,) = report.unmatched
+    assert "with no eps under the root" in site.reason, site.reason
+
+
 def test_l2_norm_over_a_symbolic_dim_is_reported():
     """With the normalised dim dynamic, the 1 / sqrt(D) weight has no value to build: unfused, reported."""
     def fn(x):
