@@ -110,7 +110,7 @@ def _definition(args):
     from fxfuse.kernels.linear_cross_entropy import linear_cross_entropy_eager
 
     if args.vocab_scale:
-        return (lambda x, w, b, t, s, *e: lce_vocab_scaled(x, w, b, t, s, *e)), (IGNORE_INDEX, args.label_smoothing)
+        return lce_vocab_scaled, (IGNORE_INDEX, args.label_smoothing)
     return ((lambda x, w, b, t, s, *e: linear_cross_entropy_eager(x, w, b, t, *e)),
             (IGNORE_INDEX, "mean", args.label_smoothing, args.softcap, args.logit_scale))
 

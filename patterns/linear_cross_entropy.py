@@ -197,7 +197,7 @@ def check(m) -> str | None:
     if scale is not None:
         if scale.dtype not in SUPPORTED:
             return f"logit scale dtype {scale.dtype} not supported (float32, bfloat16, float16)"
-        vocab = _vocab_prefix(m) or w.shape[0]  # a padded lm_head's logits sliced to V: s is [V]
+        vocab = _vocab_rows(m)
         if tuple(scale.shape) not in ((), (1,), (vocab,)):
             return (f"logit scale of shape {list(scale.shape)} is neither per vocabulary entry ([{vocab}]) "
                     "nor one number: only those fold into the lm_head weight")
@@ -219,6 +219,11 @@ def _vocab_prefix(m) -> int | None:
     z = _logits_node(m)
     sl = [n for n in m.region if n.target == aten.slice.Tensor and n.args[0] is z]
     return sl[0].args[3] if sl else None
+
+
+def _vocab_rows(m) -> int:
+    """The lm_head rows the loss reads: V of a padded head's logits sliced to z[..., :V], else all."""
+    return _vocab_prefix(m) or val(m.inputs["w"]).shape[0]
 
 
 def _transform(scalars: dict) -> tuple[float, float]:
@@ -288,8 +293,8 @@ def _folded_weight(m) -> list:
 
     if "s" not in m.inputs:
         return []
-    w, vocab = val(m.inputs["w"]), _vocab_prefix(m)
-    folded = torch.empty((vocab or w.shape[0], w.shape[1]), dtype=val(_logits_node(m)).dtype, device="meta")
+    folded = torch.empty((_vocab_rows(m), val(m.inputs["w"]).shape[1]), dtype=val(_logits_node(m)).dtype,
+                         device="meta")
     desc = f"lm_head weight * logit scale:{str(folded.dtype).removeprefix('torch.')}{example_shape(folded)}"
     return [(desc, bytes_of(folded))]
 
