@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -59,26 +62,32 @@ def _rms_norm_class(m: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _counting_l2norm_calls(model: nn.Module, calls: dict[str, int]):
-    """Count calls of a module-level ``l2norm`` function in the files defining model's classes (HF's
-    linear attention: x * rsqrt(sum(x^2) + eps) on q and k, no module of its own) as RMSNorm sites."""
-    files = {sys.modules.get(type(m).__module__) for m in model.modules()}
-    files = [f for f in files if callable(getattr(f, "l2norm", None))]
-    originals = {f: f.l2norm for f in files}
+def _counting_calls(model: nn.Module, named: Callable[[str], bool], counted: Callable[[], None]):
+    """While inside, each call of a module-level function whose name is named() in the files defining
+    model's classes first calls counted()."""
+    files = {sys.modules.get(type(m).__module__) for m in model.modules()} - {None}
+    originals = {(f, n): fn for f in files for n, fn in list(vars(f).items())
+                 if named(n) and callable(fn) and not inspect.isclass(fn)}
 
-    def counted(fn):
-        def l2norm(*args, **kwargs):
-            calls["rms_norm"] += 1
+    def counting(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            counted()
             return fn(*args, **kwargs)
-        return l2norm
+        return wrapper
 
-    for f, fn in originals.items():
-        f.l2norm = counted(fn)
+    for (f, n), fn in originals.items():
+        setattr(f, n, counting(fn))
     try:
         yield
     finally:
-        for f, fn in originals.items():
-            f.l2norm = fn
+        for (f, n), fn in originals.items():
+            setattr(f, n, fn)
+
+
+def _rotary_function(name: str) -> bool:
+    """apply_rotary_pos_emb, apply_rotary_emb (Llama 4), apply_multimodal_rotary_pos_emb, ..."""
+    return re.match(r"\w*apply\w*_ro(tary|pe)", name) is not None
 
 
 def is_gated_mlp(m: nn.Module) -> bool:
@@ -154,9 +163,15 @@ def _tower(model: nn.Module, name: str) -> nn.Module:
 
 def expected_sites(model: nn.Module, inputs: dict, has_loss_head: bool) -> dict[str, int]:
     """Module calls per pattern in one forward. An attention module is a RoPE site when its tower
-    (_tower) has a rotary embedding: a VLM's CLIP / SigLIP vision attention is not, Qwen2-VL's is."""
+    (_tower) has a rotary embedding (a VLM's CLIP / SigLIP vision attention is not, Qwen2-VL's is) and,
+    where its class rotates through a module-level ``apply_*rotary*`` / ``apply_*rope*`` function (some
+    call of it did in this forward), when such a function ran inside this call: a NoPE layer (Llama 4's
+    and SmolLM3's no_rope_layers, Kolibri's indexed attention) is not. Calls of a module-level ``l2norm`` function (HF's linear
+    attention: x * rsqrt(sum(x^2) + eps) on q and k, no module of its own) are RMSNorm sites."""
     calls = {p: 0 for p in PATTERN_NAMES}
     towers: dict[int, bool] = {}  # id(tower) -> it has a rotary embedding
+    rotations = [0]  # rotary function calls so far
+    attention_calls: list[tuple[nn.Module, bool]] = []  # (module, it rotated), in call order
 
     def rotary(name: str) -> bool:
         tower = _tower(model, name) if name else model
@@ -165,7 +180,7 @@ def expected_sites(model: nn.Module, inputs: dict, has_loss_head: bool) -> dict[
         return towers[id(tower)]
 
     rope_attention = {id(m) for n, m in model.named_modules() if is_attention(m) and rotary(n)}
-    tests = {"rms_norm": is_rms_norm, "swiglu": is_gated_mlp, "rope": lambda m: id(m) in rope_attention}
+    tests = {"rms_norm": is_rms_norm, "swiglu": is_gated_mlp}
 
     def count(p):
         def hook(mod, args, out):
@@ -176,13 +191,34 @@ def expected_sites(model: nn.Module, inputs: dict, has_loss_head: bool) -> dict[
                 calls[p] += getattr(mod, "n_mamba_heads", 1) if "x_proj_weight" in _names(mod) else 1
         return hook
 
+    entered: dict[int, list[int]] = {}  # id(attention) -> rotations at each open call
+
+    def enter(mod, args):
+        entered.setdefault(id(mod), []).append(rotations[0])
+
+    def leave(mod, args, out):
+        attention_calls.append((mod, rotations[0] > entered[id(mod)].pop()))
+
+    def rotated():
+        rotations[0] += 1
+
+    def l2norm():
+        calls["rms_norm"] += 1
+
     hooks = [mod.register_forward_hook(count(p)) for mod in model.modules() for p, test in tests.items() if test(mod)]
+    for mod in model.modules():
+        if id(mod) in rope_attention:
+            hooks += [mod.register_forward_pre_hook(enter), mod.register_forward_hook(leave)]
     try:
-        with torch.no_grad(), _counting_l2norm_calls(model, calls):
+        with (torch.no_grad(), _counting_calls(model, lambda n: n == "l2norm", l2norm),
+              _counting_calls(model, _rotary_function, rotated)):
             model(**inputs)
     finally:
         for h in hooks:
             h.remove()
+    # attention classes that rotate through the function: a call of one that did not is a NoPE layer
+    by_function = {type(m) for m, r in attention_calls if r}
+    calls["rope"] = sum(r or type(m) not in by_function for m, r in attention_calls)
     calls["linear_cross_entropy"] = int(has_loss_head)
     return calls
 

@@ -85,6 +85,16 @@ HF_ZOO: dict[str, dict] = {
               "mamba_dt_rank": 4, "n_mamba_heads": 2},
     "zamba2": {"layer_types": ["linear_attention", "hybrid"], "hybrid_layer_ids": [1], "mamba_headdim": 8,
                "mamba_d_state": 8, "n_mamba_heads": 8, "mamba_ngroups": 1, "chunk_size": 16, "use_mem_rope": True},
+    # Kolibri 1.1: a sliding-window layer (RoPE) then a NoPE indexed-attention layer whose weightless indexer
+    # picks each query's keys (data-dependent: graph breaks, run eagerly) from a pool it selects, attending
+    # to NVFP4-rounded keys and values; a dense MLP then a MoE layer with a shared expert. NVFP4 rounding
+    # needs 16-wide heads; index budgets small enough that the 9-token batch's later queries select
+    "kolibri1_1": {"head_dim": 16, "layer_types": ["sliding_attention", "indexed_attention"], "index_layers": [1],
+                   "kv_source_layers": [0, 1], "mlp_only_layers": [0], "mlp_only_intermediate_size": 48,
+                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                   "shared_expert_intermediate_size": 16, "sliding_window": 8, "index_num_heads": 2, "index_topk": 2,
+                   "index_pool_size": 4, "index_compression": 2, "index_num_local_tokens": 2,
+                   "index_num_sink_tokens": 1},
     # Inkling 2: softcapped SwiGLU experts (fxfuse::softcapped_swiglu); 4 experts, an lm_head of TINY's
     # vocabulary (its default pads the logits to 200058), relative-position heads at TINY's scale
     "inkling2_text": {"n_routed_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,

@@ -209,6 +209,56 @@ def test_rope_sites_per_tower():
     assert expected_sites(model, inputs, True)["rope"] == 2
 
 
+@pytest.mark.parametrize("model_type", ["smollm3", "llama4_text"])
+def test_a_nope_layer_is_no_rope_site(model_type):
+    """SmolLM3 and Llama 4 skip RoPE in their no_rope_layers (every 4th layer in the released
+    configs): the attention that ran without calling its file's apply_rotary_pos_emb (Llama 4:
+    apply_rotary_emb) is no site, and
+    fxfuse, which fuses the rotating layer, reports no gap."""
+    from transformers import AutoModelForCausalLM
+
+    from fxfuse.harness import check
+    from fxfuse.zoo import hf_config, hf_inputs
+
+    cfg = hf_config(model_type, no_rope_layers=[1, 0])  # 1: the layer rotates
+
+    def build():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(cfg)
+
+    assert expected_sites(build(), hf_inputs(cfg.vocab_size), True)["rope"] == 1
+    assert expected_sites(AutoModelForCausalLM.from_config(hf_config(model_type)), hf_inputs(96), True)["rope"] == 2
+    r = check(model_type, build, hf_inputs(cfg.vocab_size), bf16_steps=0)
+    assert r.matched["rope"] == 1 and not (r.gaps or r.false_matches) and r.parity_ok, r
+
+
+class RotatingElsewhere(nn.Module):
+    """An attention of a file that has apply_rotary_pos_emb but rotates through another function."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("inv_freq", torch.ones(4))
+
+    def forward(self, x):
+        return self.q_proj(x) + self.k_proj(x)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):  # as HF's modeling files define it, at module level
+    return q * cos, k * cos
+
+
+_APPLY_ROTARY = apply_rotary_pos_emb
+
+
+def test_an_attention_class_that_never_calls_apply_rotary_pos_emb_counts_every_call():
+    """The NoPE rule applies only to a class some of whose calls rotated through the function; a class
+    none of whose calls did (its rotation spelled another way) keeps one site per call."""
+    model = nn.Sequential(RotatingElsewhere(), RotatingElsewhere())
+    assert expected_sites(model, {"input": torch.randn(2, 8)}, False)["rope"] == 2
+    assert globals()["apply_rotary_pos_emb"] is _APPLY_ROTARY  # the counting wrapper is gone after the forward
+
+
 @pytest.mark.parametrize("rotary_dim", [None, 8])
 def test_an_attention_with_its_own_sin_cos_table_uses_rope(rotary_dim):
     """GPT-J / CodeGen in transformers <= 5.17: no rotary module, no inv_freq buffer; the attention
