@@ -163,15 +163,18 @@ def _tower(model: nn.Module, name: str) -> nn.Module:
 
 def expected_sites(model: nn.Module, inputs: dict, has_loss_head: bool) -> dict[str, int]:
     """Module calls per pattern in one forward. An attention module is a RoPE site when its tower
-    (_tower) has a rotary embedding (a VLM's CLIP / SigLIP vision attention is not, Qwen2-VL's is) and,
-    where its class rotates through a module-level ``apply_*rotary*`` / ``apply_*rope*`` function (some
-    call of it did in this forward), when such a function ran inside this call: a NoPE layer (Llama 4's
-    and SmolLM3's no_rope_layers, Kolibri's indexed attention) is not. Calls of a module-level ``l2norm`` function (HF's linear
-    attention: x * rsqrt(sum(x^2) + eps) on q and k, no module of its own) are RMSNorm sites."""
+    (_tower) has a rotary embedding (a VLM's CLIP / SigLIP vision attention is not, Qwen2-VL's is), with
+    two exceptions. Where its class rotates through a module-level ``apply_*rotary*`` / ``apply_*rope*``
+    function (some call of it did in this forward), a call in which no such function ran is a NoPE
+    layer (Llama 4's and SmolLM3's no_rope_layers, Kolibri's indexed attention), no site. An attention
+    nested in another is a site only where such a function ran in it (a DeepSeek sparse-attention
+    indexer rotates its own q / k; Zaya's convolutional q / k / v projection does not). Calls of a
+    module-level ``l2norm`` function (HF's linear attention: x * rsqrt(sum(x^2) + eps) on q and k, no
+    module of its own) are RMSNorm sites."""
     calls = {p: 0 for p in PATTERN_NAMES}
     towers: dict[int, bool] = {}  # id(tower) -> it has a rotary embedding
     rotations = [0]  # rotary function calls so far
-    attention_calls: list[tuple[nn.Module, bool]] = []  # (module, it rotated), in call order
+    attention_calls: list[tuple[nn.Module, bool]] = []  # (module, a rotary function ran in it), in call order
 
     def rotary(name: str) -> bool:
         tower = _tower(model, name) if name else model
@@ -179,7 +182,10 @@ def expected_sites(model: nn.Module, inputs: dict, has_loss_head: bool) -> dict[
             towers[id(tower)] = uses_rope(tower)
         return towers[id(tower)]
 
-    rope_attention = {id(m) for n, m in model.named_modules() if is_attention(m) and rotary(n)}
+    attention = {n for n, m in model.named_modules() if is_attention(m)}
+    inner = {id(m) for n, m in model.named_modules() if n in attention
+             and any(n.startswith(f"{a}.") or not a for a in attention - {n})}
+    rope_attention = {id(m) for n, m in model.named_modules() if n in attention and rotary(n)}
     tests = {"rms_norm": is_rms_norm, "swiglu": is_gated_mlp}
 
     def count(p):
@@ -191,13 +197,13 @@ def expected_sites(model: nn.Module, inputs: dict, has_loss_head: bool) -> dict[
                 calls[p] += getattr(mod, "n_mamba_heads", 1) if "x_proj_weight" in _names(mod) else 1
         return hook
 
-    entered: dict[int, list[int]] = {}  # id(attention) -> rotations at each open call
+    entered: list[int] = []  # rotations at the start of each attention call in progress
 
     def enter(mod, args):
-        entered.setdefault(id(mod), []).append(rotations[0])
+        entered.append(rotations[0])
 
     def leave(mod, args, out):
-        attention_calls.append((mod, rotations[0] > entered[id(mod)].pop()))
+        attention_calls.append((mod, rotations[0] > entered.pop()))
 
     def rotated():
         rotations[0] += 1
@@ -216,9 +222,8 @@ def expected_sites(model: nn.Module, inputs: dict, has_loss_head: bool) -> dict[
     finally:
         for h in hooks:
             h.remove()
-    # attention classes that rotate through the function: a call of one that did not is a NoPE layer
-    by_function = {type(m) for m, r in attention_calls if r}
-    calls["rope"] = sum(r or type(m) not in by_function for m, r in attention_calls)
+    by_function = {type(m) for m, r in attention_calls if r}  # attention classes rotating through the function
+    calls["rope"] = sum(r or (type(m) not in by_function and id(m) not in inner) for m, r in attention_calls)
     calls["linear_cross_entropy"] = int(has_loss_head)
     return calls
 

@@ -232,6 +232,20 @@ def test_a_nope_layer_is_no_rope_site(model_type):
     assert r.matched["rope"] == 1 and not (r.gaps or r.false_matches) and r.parity_ok, r
 
 
+@pytest.mark.parametrize("model_type, sites", [("zaya", 2), ("axk2", 4)])
+def test_an_attention_nested_in_another_is_a_rope_site_only_where_it_rotates(model_type, sites):
+    """Zaya's convolutional q / k / v projection (q_proj, k_proj) sits inside its attention and rotates
+    nothing: 1 site per layer; AXK2's sparse-attention indexer rotates its own q / k: 2 per layer."""
+    from transformers import AutoModelForCausalLM
+
+    from fxfuse.zoo import hf_config, hf_inputs
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(model_type))
+    assert sum(is_attention(m) for m in model.modules()) == 4
+    assert expected_sites(model, hf_inputs(96), True)["rope"] == sites
+
+
 class RotatingElsewhere(nn.Module):
     """An attention of a file that has apply_rotary_pos_emb but rotates through another function."""
 
