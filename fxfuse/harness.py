@@ -132,9 +132,10 @@ def is_attention(m: nn.Module) -> bool:
     queries and keys to score tokens), one whose queries come with their gate (MiniCPM5-MoE's
     q_gate_proj), a vision transformer's packed qkv and proj (Qwen2-VL's). Linear attention is not (no
     rotation): MiniMax's lightning layers (a qkv_proj), delta-rule layers (Bailing's DeltaAttention: q_proj,
-    k_proj and a causal conv1d)."""
+    k_proj and a causal conv1d); nor is cross-attention (*CrossAttention: BLT's between bytes and patches,
+    Mllama's to image tokens; no rotation)."""
     names = _names(m)
-    if "lightning" in type(m).__name__.lower() or "conv1d" in names:
+    if any(w in type(m).__name__.lower() for w in ("lightning", "crossattention")) or "conv1d" in names:
         return False
     return ({"q_proj", "k_proj"} <= names or {"q_proj", "o_proj"} <= names or {"wq", "wk"} <= names
             or {"qkv", "proj"} <= names

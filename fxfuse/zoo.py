@@ -95,6 +95,14 @@ HF_ZOO: dict[str, dict] = {
                    "shared_expert_intermediate_size": 16, "sliding_window": 8, "index_num_heads": 2, "index_topk": 2,
                    "index_pool_size": 4, "index_compression": 2, "index_num_local_tokens": 2,
                    "index_num_sink_tokens": 1},
+    # BLT (byte latent transformer): an entropy patcher, a local byte encoder, a global transformer over
+    # patches and a local byte decoder (one layer each, cross-attention between bytes and patches: no
+    # rotation), its byte vocabulary; patching reads tensors on the host (graph breaks, run eagerly)
+    "blt": {"vocab_size": 260, "encoder_hash_byte_group_vocab": 64, "encoder_hash_byte_group_size": [3, 4],
+            "local_attention_window_len": 16, **{f"{part}_config": {
+                "hidden_size": 64 if part == "global" else 32, "head_dim": 16 if part == "global" else 8,
+                "hidden_size_global": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+                "num_hidden_layers": 1, "intermediate_size": 48} for part in ("patcher", "encoder", "decoder", "global")}},
     # Inkling 2: softcapped SwiGLU experts (fxfuse::softcapped_swiglu); 4 experts, an lm_head of TINY's
     # vocabulary (its default pads the logits to 200058), relative-position heads at TINY's scale
     "inkling2_text": {"n_routed_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,

@@ -119,6 +119,8 @@ def _module(cls_name: str, children=(), params=(), **attrs) -> nn.Module:
     (_module("RecurrentGemmaRecurrentBlock", ["linear_y", "linear_x", "linear_out", "conv_1d", "rg_lru"]), False,
      True, False),
     (_module("DoryL2Norm"), True, False, False),
+    (_module("BltCrossAttention", ["q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"]), False, False, False),
+    (_module("BltSelfAttention", ["q_proj", "k_proj", "v_proj", "o_proj"]), False, False, True),
 ])
 def test_site_rules_by_name(mod, rms, gated, attention):
     assert (is_rms_norm(mod), is_gated_mlp(mod), is_attention(mod)) == (rms, gated, attention)
