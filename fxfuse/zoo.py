@@ -102,7 +102,8 @@ HF_ZOO: dict[str, dict] = {
             "local_attention_window_len": 16, **{f"{part}_config": {
                 "hidden_size": 64 if part == "global" else 32, "head_dim": 16 if part == "global" else 8,
                 "hidden_size_global": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
-                "num_hidden_layers": 1, "intermediate_size": 48} for part in ("patcher", "encoder", "decoder", "global")}},
+                "num_hidden_layers": 1, "intermediate_size": 48}
+                for part in ("patcher", "encoder", "decoder", "global")}},
     # Inkling 2: softcapped SwiGLU experts (fxfuse::softcapped_swiglu); 4 experts, an lm_head of TINY's
     # vocabulary (its default pads the logits to 200058), relative-position heads at TINY's scale
     "inkling2_text": {"n_routed_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
