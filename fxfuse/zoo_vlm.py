@@ -162,8 +162,34 @@ def internvl():
                  "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
 
 
+def aya_vision():
+    """Aya Vision: SigLIP, pixel shuffle by 2 and a SwiGLU projector (linear_1 to gate and up in one),
+    and a Cohere 2 (interleaved RoPE, LayerNorm); 4 image tokens."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("aya_vision", text_config={"model_type": "cohere2", **TEXT, "sliding_window": 8},
+                               vision_config=_vision_tower("siglip_vision_model"), image_token_index=IMAGE,
+                               downsample_factor=2, vision_feature_layer=-1)
+    ids, labels = _ids(4)
+    return cfg, {"input_ids": ids, "labels": labels,
+                 "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+
+
+def idefics3():
+    """Idefics 3: its SigLIP-style tower, pixel shuffle by 2, and a Llama; one 16 x 16 image, 4 tokens
+    (SmolVLM's ancestor; its image-splitting reads sizes on the host: graph breaks)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("idefics3", text_config={"model_type": "llama", **TEXT},
+                               vision_config=_vision_tower("idefics3_vision"), image_token_id=IMAGE, scale_factor=2)
+    ids, labels = _ids(4)
+    return cfg, {"input_ids": ids, "labels": labels,
+                 "pixel_values": torch.randn(1, 1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+
+
 VLMS = {"qwen2_vl": lambda: qwen_vl("qwen2_vl"), "qwen2_5_vl": lambda: qwen_vl("qwen2_5_vl"),
         "qwen3_vl": lambda: qwen_vl("qwen3_vl"), "qwen3_vl_moe": lambda: qwen_vl("qwen3_vl_moe"),
         "qwen3_5": lambda: qwen_vl("qwen3_5"), "glm4v": lambda: qwen_vl("glm4v"),
         "glm4v_moe": lambda: qwen_vl("glm4v_moe"), "llava": llava, "gemma3": gemma3, "mistral3": mistral3,
-        "paligemma": paligemma, "smolvlm": smolvlm, "llama4": llama4, "internvl": internvl}
+        "paligemma": paligemma, "smolvlm": smolvlm, "llama4": llama4, "internvl": internvl,
+        "aya_vision": aya_vision, "idefics3": idefics3}

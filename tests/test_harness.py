@@ -50,6 +50,17 @@ def test_verdict_judges_only_the_tensors_that_missed():
     assert not ok and lines[0].startswith("loss:")  # eager's loss is exact here: 1e-3 off is wrong
 
 
+def test_an_all_zero_gradient_where_eager_has_none_is_no_difference():
+    """torch.compile (any backend) gives zeros to parameters that enter its graph without reaching the
+    loss, where eager leaves None; a nonzero one, or one missing, still differs."""
+    from fxfuse.harness import grad_error
+
+    ref = {"w": torch.ones(3)}
+    assert grad_error({"w": torch.ones(3), "head": torch.zeros(2)}, ref) == 0.0
+    assert grad_error({"w": torch.ones(3), "head": torch.tensor([0.0, 1e-9])}, ref) == float("inf")
+    assert grad_error({"head": torch.zeros(2)}, ref) == float("inf")
+
+
 def test_verdict_fails_without_an_fp64_run():
     got, eager, exact = _case(1e-5)
     loss = torch.tensor(1.0)
@@ -148,11 +159,14 @@ def test_an_rms_norm_class_returning_the_inverse_rms_is_no_site():
     assert expected_sites(TwoNorms(), {"x": torch.randn(2, 8)}, False)["rms_norm"] == 1
 
 
+@pytest.mark.parametrize("names", [("Wi", "Wo"), ("linear_1", "linear_2")])
 @pytest.mark.parametrize("packed", [True, False])
-def test_packed_wi_wo_is_a_gated_mlp_only_when_wi_holds_both_halves(packed):
-    """ModernBERT's Wi packs gate and up (twice Wo's input); T5's wi / wo is a plain MLP."""
-    mlp = _module("ModernBertDecoderMLP")
-    mlp.Wi, mlp.Wo = nn.Linear(8, 32 if packed else 16), nn.Linear(16, 8)
+def test_packed_in_out_is_a_gated_mlp_only_when_the_first_holds_both_halves(packed, names):
+    """ModernBERT's Wi and Aya Vision's projector linear_1 pack gate and up (twice the second's
+    input); T5's wi / wo and LLaVA's projector are plain MLPs."""
+    mlp = _module("Mlp")
+    setattr(mlp, names[0], nn.Linear(8, 32 if packed else 16))
+    setattr(mlp, names[1], nn.Linear(16, 8))
     assert is_gated_mlp(mlp) == packed
 
 
