@@ -113,7 +113,7 @@ def _one_break(text: str) -> str:
 def site_patterns(mod: nn.Module, rope: bool) -> list[str]:
     """The patterns a module's call is one site of, by the harness's rules (a block holding both
     its attention and MLP projections is both a rope and a swiglu site)."""
-    from .harness import is_attention, is_gated_mlp, is_rms_norm
+    from .sites import is_attention, is_gated_mlp, is_rms_norm
 
     tests = (("rms_norm", is_rms_norm), ("rope", lambda m: rope and is_attention(m)), ("swiglu", is_gated_mlp))
     return [p for p, test in tests if test(mod)]
@@ -170,7 +170,7 @@ class Census:
         return counted
 
     def apply(self, report: Report) -> Report:
-        from .harness import uses_rope
+        from .sites import uses_rope
 
         report.calls = {p: 0 for p in PATTERN_NAMES}
         for graph, runs in self.ran.values():

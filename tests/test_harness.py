@@ -1,13 +1,13 @@
 """The harness's parity rule: fxfuse vs eager fp32 within FP32_TOL, or, for a tensor that misses it,
 at least as accurate as eager fp32 against an fp64 run (fp64_verdict). Exact errors are built in by
 construction here so each case sits on a known side of the rule. Then the name rules that count a
-model's sites (is_rms_norm, is_gated_mlp, is_attention) on stand-in modules."""
+model's sites (fxfuse.sites: is_rms_norm, is_gated_mlp, is_attention) on stand-in modules."""
 import pytest
 import torch
 import torch.nn as nn
 
-from fxfuse.harness import (FP32_TOL, as_accurate_as_eager, expected_sites, fp64_run, fp64_verdict, grad_errors,
-                            is_attention, is_gated_mlp, is_rms_norm, rel_err, uses_rope)
+from fxfuse.harness import FP32_TOL, as_accurate_as_eager, fp64_run, fp64_verdict, grad_errors, rel_err
+from fxfuse.sites import expected_sites, is_attention, is_gated_mlp, is_rms_norm, uses_rope
 
 
 def _noisy(exact: torch.Tensor, rel: float, seed: int) -> torch.Tensor:

@@ -99,7 +99,7 @@ def test_diffllama_fuses_every_site_with_parity_outside_its_ill_conditioned_lamb
     ~3e-5 in eager itself: every correct fp32 implementation lands somewhere in that band, so the
     strict fp32 rule holds for the loss and every other gradient, and the lambdas only have to be
     near eager's (a wrong gradient would be off by O(1))."""
-    from fxfuse.harness import expected_sites
+    from fxfuse.sites import expected_sites
     from fxfuse.zoo import hf_config, hf_inputs, without_randomness
     import fxfuse
     from helpers import loss_and_grads, rel_err
