@@ -187,9 +187,24 @@ def idefics3():
                  "pixel_values": torch.randn(1, 1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
 
 
+def lfm2_vl():
+    """LFM2-VL: a SigLIP 2 NaFlex tower (patches flattened by the processor, their grid in spatial_shapes),
+    pixel unshuffle by 2, and an LFM2 (short convolutions, then attention); 16 patches, 4 image tokens."""
+    from transformers import AutoConfig
+
+    vision = {k: v for k, v in _vision_tower("siglip2_vision_model").items() if k != "image_size"}
+    cfg = AutoConfig.for_model("lfm2_vl", text_config={"model_type": "lfm2", **TEXT},
+                               vision_config=vision | {"num_patches": 16}, image_token_id=IMAGE,
+                               downsample_factor=2, projector_hidden_size=32)
+    ids, labels = _ids(4)
+    return cfg, {"input_ids": ids, "labels": labels, "spatial_shapes": torch.tensor([[4, 4]]),
+                 "pixel_values": torch.randn(1, 16, 3 * 4 * 4, generator=torch.Generator().manual_seed(2)),
+                 "pixel_attention_mask": torch.ones(1, 16, dtype=torch.long)}
+
+
 VLMS = {"qwen2_vl": lambda: qwen_vl("qwen2_vl"), "qwen2_5_vl": lambda: qwen_vl("qwen2_5_vl"),
         "qwen3_vl": lambda: qwen_vl("qwen3_vl"), "qwen3_vl_moe": lambda: qwen_vl("qwen3_vl_moe"),
         "qwen3_5": lambda: qwen_vl("qwen3_5"), "glm4v": lambda: qwen_vl("glm4v"),
         "glm4v_moe": lambda: qwen_vl("glm4v_moe"), "llava": llava, "gemma3": gemma3, "mistral3": mistral3,
         "paligemma": paligemma, "smolvlm": smolvlm, "llama4": llama4, "internvl": internvl,
-        "aya_vision": aya_vision, "idefics3": idefics3}
+        "aya_vision": aya_vision, "idefics3": idefics3, "lfm2_vl": lfm2_vl}
