@@ -104,6 +104,11 @@ HF_ZOO: dict[str, dict] = {
                 "hidden_size_global": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
                 "num_hidden_layers": 1, "intermediate_size": 48}
                 for part in ("patcher", "encoder", "decoder", "global")}},
+    # Zaya: compressed convolutional attention (q / k mixed by causal convolutions inside a projection block
+    # of its own, L2-normed q / k with a clamp, no site), 4 experts behind an MLP router at TINY's scale
+    "zaya": {"num_experts": 4, "moe_intermediate_size": 16, "router_hidden_size": 16},
+    # Beam and Gemma 4 unified: as their defaults build them at TINY's scale
+    "beam": {}, "gemma4_unified_text": {},
     # Inkling 2: softcapped SwiGLU experts (fxfuse::softcapped_swiglu); 4 experts, an lm_head of TINY's
     # vocabulary (its default pads the logits to 200058), relative-position heads at TINY's scale
     "inkling2_text": {"n_routed_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
