@@ -122,12 +122,14 @@ def paligemma():
                  "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
 
 
-def smolvlm():
-    """SmolVLM: its SigLIP-style tower, pixel shuffle by 2, and a Llama; one 16 x 16 image, 4 tokens."""
+def idefics(model_type: str):
+    """SmolVLM and Idefics 3 (its ancestor): a SigLIP-style tower, pixel shuffle by 2, and a Llama; one
+    16 x 16 image, 4 tokens (Idefics 3's image splitting reads sizes on the host: graph breaks)."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.for_model("smolvlm", text_config={"model_type": "llama", **TEXT},
-                               vision_config=_vision_tower("smolvlm_vision"), image_token_id=IMAGE, scale_factor=2)
+    cfg = AutoConfig.for_model(model_type, text_config={"model_type": "llama", **TEXT},
+                               vision_config=_vision_tower(f"{model_type}_vision"), image_token_id=IMAGE,
+                               scale_factor=2)
     ids, labels = _ids(4)
     return cfg, {"input_ids": ids, "labels": labels,
                  "pixel_values": torch.randn(1, 1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
@@ -175,18 +177,6 @@ def aya_vision():
                  "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
 
 
-def idefics3():
-    """Idefics 3: its SigLIP-style tower, pixel shuffle by 2, and a Llama; one 16 x 16 image, 4 tokens
-    (SmolVLM's ancestor; its image-splitting reads sizes on the host: graph breaks)."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.for_model("idefics3", text_config={"model_type": "llama", **TEXT},
-                               vision_config=_vision_tower("idefics3_vision"), image_token_id=IMAGE, scale_factor=2)
-    ids, labels = _ids(4)
-    return cfg, {"input_ids": ids, "labels": labels,
-                 "pixel_values": torch.randn(1, 1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
-
-
 def lfm2_vl():
     """LFM2-VL: a SigLIP 2 NaFlex tower (patches flattened by the processor, their grid in spatial_shapes),
     pixel unshuffle by 2, and an LFM2 (short convolutions, then attention); 16 patches, 4 image tokens."""
@@ -206,5 +196,5 @@ VLMS = {"qwen2_vl": lambda: qwen_vl("qwen2_vl"), "qwen2_5_vl": lambda: qwen_vl("
         "qwen3_vl": lambda: qwen_vl("qwen3_vl"), "qwen3_vl_moe": lambda: qwen_vl("qwen3_vl_moe"),
         "qwen3_5": lambda: qwen_vl("qwen3_5"), "glm4v": lambda: qwen_vl("glm4v"),
         "glm4v_moe": lambda: qwen_vl("glm4v_moe"), "llava": llava, "gemma3": gemma3, "mistral3": mistral3,
-        "paligemma": paligemma, "smolvlm": smolvlm, "llama4": llama4, "internvl": internvl,
-        "aya_vision": aya_vision, "idefics3": idefics3, "lfm2_vl": lfm2_vl}
+        "paligemma": paligemma, "smolvlm": lambda: idefics("smolvlm"), "llama4": llama4, "internvl": internvl,
+        "aya_vision": aya_vision, "idefics3": lambda: idefics("idefics3"), "lfm2_vl": lfm2_vl}
