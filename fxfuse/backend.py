@@ -18,6 +18,7 @@ import torch.fx as fx
 from .attention import causal_attention, causal_outputs
 from .attention_tags import causal_variant, dispatch, tag_outputs
 from .dump import dump_report
+from .layout import relax_views
 from .normalize import to_aten
 from .options import Options
 from .outside import counted, warn_eager_frames
@@ -60,9 +61,13 @@ def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.Gra
                 tagged = {s.nodes[-1] for s in variant[2]}  # the SDPA calls as named in aten_gm
                 left = [s for s in left if s.nodes[0] not in tagged] + variant[2]
             report.attention = done + left
+            if variant is not None:
+                relax_views(variant[0])
             # popped by fxfuse_backend before the inner compile (a GraphModule's __dict__ is pickled
             # into compile-cache keys)
             aten_gm._fxfuse_causal = (variant, causal_outputs(aten_gm))
+        if report.matched or any(not s.reason for s in report.attention):  # a layout may have changed
+            relax_views(aten_gm)
     except Exception as e:
         if _dynamo_control_flow(e):
             raise

@@ -17,6 +17,7 @@ zoo.check_hf); models are otherwise as built, in train mode.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -179,6 +180,20 @@ class Result:
         return asdict(self) | {"gaps": self.gaps, "false_matches": self.false_matches, "passed": self.passed}
 
 
+@contextlib.contextmanager
+def exact_fp32():
+    """fp32 matmuls and convolutions in full fp32 on CUDA. cuDNN's default is TF32
+    (``torch.backends.cudnn.allow_tf32``): its 10-bit mantissa turns fp32 rounding differences in a
+    conv's inputs into ~1e-5 differences in its weight gradient (seen in Qwen3-VL-MoE's and
+    GLM-4V-MoE's patch embeddings), so parity would measure TF32's rounding, not fxfuse."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def check(name: str, build: Callable[[], nn.Module], inputs: dict, loss_of=lambda out: out.loss,
           has_loss_head: bool = True, inner: str = "aot_eager", bf16_steps: int = BF16_STEPS,
           device: str = "cpu") -> Result:
@@ -192,17 +207,18 @@ def check(name: str, build: Callable[[], nn.Module], inputs: dict, loss_of=lambd
         if isinstance(m, nn.Dropout):
             m.p = 0.0
     expected = expected_sites(model, inputs, has_loss_head)
-    ref_loss, ref_grads = step(model, model, inputs, loss_of)
-    mine = _copy(model, build)
-    n0 = len(fxfuse.compiled_reports())
-    compiled = torch.compile(mine, backend="fxfuse", options={"inner": inner})
-    census = Census(mine)
-    loss, grads = step(mine, census.around(compiled), inputs, loss_of)
-    report = census.apply(Report.merge(fxfuse.compiled_reports()[n0:]))
-    loss_err, grad_err = rel_err(loss, ref_loss), grad_error(grads, ref_grads)
-    fp64_ok, fp64 = False, []
-    if not (loss_err < FP32_TOL and grad_err < FP32_TOL) and grads.keys() == ref_grads.keys():
-        fp64_ok, fp64 = fp64_verdict(loss, grads, ref_loss, ref_grads, fp64_run(model, inputs, loss_of, build))
+    with exact_fp32():
+        ref_loss, ref_grads = step(model, model, inputs, loss_of)
+        mine = _copy(model, build)
+        n0 = len(fxfuse.compiled_reports())
+        compiled = torch.compile(mine, backend="fxfuse", options={"inner": inner})
+        census = Census(mine)
+        loss, grads = step(mine, census.around(compiled), inputs, loss_of)
+        report = census.apply(Report.merge(fxfuse.compiled_reports()[n0:]))
+        loss_err, grad_err = rel_err(loss, ref_loss), grad_error(grads, ref_grads)
+        fp64_ok, fp64 = False, []
+        if not (loss_err < FP32_TOL and grad_err < FP32_TOL) and grads.keys() == ref_grads.keys():
+            fp64_ok, fp64 = fp64_verdict(loss, grads, ref_loss, ref_grads, fp64_run(model, inputs, loss_of, build))
     bf16 = None
     if bf16_steps:
         torch._dynamo.reset()

@@ -1,0 +1,82 @@
+"""Views traced against eager's layouts (fxfuse/layout.py): a rewrite that changes a layout no
+longer fails the graph's compile, and views of tensors mutated in place stay views."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fxfuse.harness import FP32_TOL, exact_fp32
+from fxfuse.layout import relax_views
+from tests.helpers import compiled_parity
+
+aten = torch.ops.aten
+
+
+class _NormOnTransposedHeads(nn.Module):
+    """Per-head RMSNorm (HF Llama's math) on q viewed [B, T, H, D] and transposed to [B, H, T, D],
+    then transposed back, ``.contiguous()`` and viewed [B, T, H*D]. Eager's elementwise math keeps
+    the transposed layout, so the trace drops the no-op contiguous and keeps a bare view; the fused
+    op returns a contiguous [B, H, T, D], which that view cannot read."""
+
+    def __init__(self, heads=4, head_dim=8):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.proj = nn.Linear(heads * head_dim, heads * head_dim)
+        self.weight = nn.Parameter(torch.randn(head_dim))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        qf = q.float()
+        y = self.weight * (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(q.dtype)
+        return y.transpose(1, 2).contiguous().view(b, t, -1).square().mean()
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_fused_norm_with_another_layout_than_eagers_still_compiles_fused(inner):
+    torch.manual_seed(0)
+    loss_err, grad_err, report, _ = compiled_parity(_NormOnTransposedHeads(), {"x": torch.randn(2, 9, 32)},
+                                                    inner=inner, loss_fn=lambda out: out)
+    assert report.counts()["rms_norm"] == 1 and not report.errors, str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.target in (aten.view.default, aten.reshape.default)]
+
+
+def test_views_of_mutated_tensors_stay_views():
+    """x's view is added to in place (through a view of a view, and a split's piece): x's whole
+    alias set keeps its views; the view of a fresh product becomes a reshape with equal values."""
+    def f(x):
+        a = x.view(-1).view(2, 6)
+        a.add_(1)
+        x.split(2)[0].mul_(2)
+        b = (x * 3).view(-1)
+        return a, b
+
+    gm = make_fx(f)(torch.randn(4, 3))
+    assert _targets(gm) == [aten.view.default] * 3
+    assert relax_views(gm) == 1
+    assert _targets(gm) == [aten.view.default, aten.view.default, aten.reshape.default]
+    x = torch.randn(4, 3)
+    want, got = f(x.clone()), gm(x.clone())
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+
+
+def test_graph_without_mutation_turns_every_view():
+    gm = make_fx(lambda x: (x.view(2, 6) + 1).view(-1))(torch.randn(3, 4))
+    assert relax_views(gm) == 2 and _targets(gm) == [aten.reshape.default] * 2
+
+
+def test_exact_fp32_turns_tf32_off_and_restores_it():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        with exact_fp32():
+            assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
