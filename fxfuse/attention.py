@@ -287,6 +287,11 @@ def _unrepeat(q: fx.Node, k: fx.Node, v: fx.Node) -> tuple[fx.Node, fx.Node] | N
         return None
     if _val(k0).shape[1] * rk != qv.shape[1]:
         return None
+    if qv.device.type == "cuda" and qv.dtype not in (torch.float16, torch.bfloat16):
+        # no CUDA kernel takes enable_gqa in fp32 (flash: fp16 / bf16 only; memory-efficient: no
+        # GQA): SDPA would fall back to the math backend, which writes the [B, H, Tq, Tk] scores
+        # (and returns another layout: measured on an H100, bench/RESULTS.md)
+        return None
     return k0, v0
 
 

@@ -240,3 +240,31 @@ def test_expanded_mask_is_checked_on_its_data_not_its_broadcast(monkeypatch):
     monkeypatch.setattr(attention, "_MAX_ELEMENTS", 11 * 11 - 1)
     _, report = rewritten_graph(Net(), **inputs(t=11))  # too large for the CPU: checked at run time
     assert [s.variant for s in report.attention] == ["sdpa_causal_gqa_checked"] * 2, str(report)
+
+
+@pytest.mark.parametrize("device,dtype,gqa", [("cpu", torch.float32, True), ("cuda", torch.bfloat16, True),
+                                              ("cuda", torch.float16, True), ("cuda", torch.float32, False)])
+def test_repeat_kv_kept_where_cuda_has_no_gqa_kernel(device, dtype, gqa):
+    """fp32 q on CUDA keeps its repeated k / v (measured on an H100: is_causal + enable_gqa in fp32
+    ran the math backend); fp16 / bf16 on CUDA and the CPU take enable_gqa. The graph is traced on
+    the CPU and its q given the meta value of a CUDA tensor (fake: no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxfuse.attention import causal_attention
+
+    def attn(q, k, v):
+        mask = hf517_mask(q.shape[0], q.shape[2], q.device)
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=mask)
+
+    q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    gm = make_fx(attn, pre_dispatch=True)(q, k, v)
+    with FakeTensorMode():
+        fake_q = torch.empty(q.shape, dtype=dtype, device=device)
+    next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"] = fake_q
+    done, left = causal_attention(gm)
+    assert [s.variant for s in done] == ["sdpa_causal_gqa" if gqa else "sdpa_causal"] and not left
+    (call,) = sdpa_calls(gm)
+    assert call.kwargs["is_causal"] and call.kwargs["attn_mask"] is None and bool(call.kwargs["enable_gqa"]) == gqa
+    assert call.args[1].meta["val"].shape[1] == (2 if gqa else 4)
+    assert torch.allclose(gm(q, k, v), attn(q, k, v), atol=1e-6)
