@@ -25,10 +25,11 @@ def _ids(n_image: int, start: int | None = None, end: int | None = None) -> tupl
 
 
 def qwen_vl(model_type: str):
-    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL (-MoE) / Qwen3.5 / GLM-4V (-MoE): a vision transformer with 2-D RoPE
-    on unbatched [T, H, D] q / k, M-RoPE in the language model; one 8 x 8-patch image merged 2 x 2 into 16 tokens.
-    Qwen3.5's language model: a gated-delta-net linear attention layer (q / k L2 norms) then a full one;
-    GLM-4V's tower: RMSNorm, SwiGLU, learned position embeddings on the image_size / patch_size grid."""
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL (-MoE) / Qwen3.5 (-MoE) / GLM-4V (-MoE) / GLM-4.6V: a vision transformer
+    with 2-D RoPE on unbatched [T, H, D] q / k, M-RoPE in the language model; one 8 x 8-patch image merged 2 x 2
+    into 16 tokens. Qwen3.5's language model: a gated-delta-net linear attention layer (q / k L2 norms) then a
+    full one; GLM-4V's tower: RMSNorm, SwiGLU, learned position embeddings on the image_size / patch_size grid
+    (GLM-4.6V: GLM-4V's configs under another model type)."""
     from transformers import AutoConfig
 
     vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, spatial_merge_size=2,
@@ -38,10 +39,11 @@ def qwen_vl(model_type: str):
                       spatial_merge_size=2, temporal_patch_size=2)
     rope = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
     text, tokens = dict(TEXT), dict(vision_start_token_id=102, vision_end_token_id=103)
-    if model_type in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5"):  # learned position embeddings on a 4 x 4 grid
+    qwen3_5 = model_type in ("qwen3_5", "qwen3_5_moe")
+    if model_type in ("qwen3_vl", "qwen3_vl_moe") or qwen3_5:  # learned position embeddings on a 4 x 4 grid
         vision = {k: v for k, v in vision.items() if k not in ("window_size", "fullatt_block_indexes")}
         vision |= dict(num_position_embeddings=16)
-        vision |= {"deepstack_visual_indexes": [0]} if model_type != "qwen3_5" else {}  # DeepStack from block 0
+        vision |= {"deepstack_visual_indexes": [0]} if not qwen3_5 else {}  # DeepStack from block 0
         rope |= {"mrope_interleaved": True}
     if model_type == "qwen3_vl_moe":  # 4 experts in every layer
         text |= dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
@@ -49,10 +51,12 @@ def qwen_vl(model_type: str):
         # half of 16-wide heads takes the M-RoPE sections
         text |= dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
                      n_shared_experts=1, head_dim=16)
-    if model_type == "qwen3_5":
+    if model_type == "qwen3_5_moe":  # 4 experts and a shared one in every layer
+        text |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    if qwen3_5:
         text |= dict(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
                      linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
-    if model_type in ("glm4v", "glm4v_moe"):
+    if model_type in ("glm4v", "glm4v_moe", "glm46v"):
         vision = {k: v for k, v in vision.items() if k not in ("window_size", "fullatt_block_indexes")}
         vision |= dict(image_size=16)
         tokens = dict(image_start_token_id=102, image_end_token_id=103, video_start_token_id=104,
@@ -71,13 +75,15 @@ def _vision_tower(model_type: str) -> dict:
             "num_attention_heads": 2, "image_size": 16, "patch_size": 4}
 
 
-def llava():
-    """LLaVA: a CLIP vision tower (no rotary, quick_gelu MLP) and a Llama; 16 image tokens."""
+def llava(model_type: str = "llava"):
+    """LLaVA / VipLLaVA: a CLIP vision tower (no rotary, quick_gelu MLP) and a Llama; 16 image tokens.
+    VipLLaVA's projector reads the last two tower layers, concatenated."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.for_model("llava", text_config={"model_type": "llama", **TEXT},
+    layers = {"vision_feature_layer": -1} if model_type == "llava" else {"vision_feature_layers": [-2, -1]}
+    cfg = AutoConfig.for_model(model_type, text_config={"model_type": "llama", **TEXT},
                                vision_config=_vision_tower("clip_vision_model") | {"projection_dim": 16},
-                               image_token_index=IMAGE, vision_feature_layer=-1)
+                               image_token_index=IMAGE, **layers)
     ids, labels = _ids(16)
     return cfg, {"input_ids": ids, "labels": labels,
                  "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
@@ -164,14 +170,15 @@ def internvl():
                  "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
 
 
-def aya_vision():
-    """Aya Vision: SigLIP, pixel shuffle by 2 and a SwiGLU projector (linear_1 to gate and up in one),
-    and a Cohere 2 (interleaved RoPE, LayerNorm); 4 image tokens."""
+def aya_vision(model_type: str = "aya_vision"):
+    """Aya Vision / Cohere2-Vision: SigLIP, pixel shuffle by 2 and a SwiGLU projector (linear_1 to gate and
+    up in one), and a Cohere 2 (interleaved RoPE, LayerNorm); 4 image tokens."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.for_model("aya_vision", text_config={"model_type": "cohere2", **TEXT, "sliding_window": 8},
-                               vision_config=_vision_tower("siglip_vision_model"), image_token_index=IMAGE,
-                               downsample_factor=2, vision_feature_layer=-1)
+    image = {"image_token_index": IMAGE, "vision_feature_layer": -1} if model_type == "aya_vision" else {
+        "image_token_id": IMAGE}
+    cfg = AutoConfig.for_model(model_type, text_config={"model_type": "cohere2", **TEXT, "sliding_window": 8},
+                               vision_config=_vision_tower("siglip_vision_model"), downsample_factor=2, **image)
     ids, labels = _ids(4)
     return cfg, {"input_ids": ids, "labels": labels,
                  "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
@@ -197,4 +204,6 @@ VLMS = {"qwen2_vl": lambda: qwen_vl("qwen2_vl"), "qwen2_5_vl": lambda: qwen_vl("
         "qwen3_5": lambda: qwen_vl("qwen3_5"), "glm4v": lambda: qwen_vl("glm4v"),
         "glm4v_moe": lambda: qwen_vl("glm4v_moe"), "llava": llava, "gemma3": gemma3, "mistral3": mistral3,
         "paligemma": paligemma, "smolvlm": lambda: idefics("smolvlm"), "llama4": llama4, "internvl": internvl,
-        "aya_vision": aya_vision, "idefics3": lambda: idefics("idefics3"), "lfm2_vl": lfm2_vl}
+        "aya_vision": aya_vision, "idefics3": lambda: idefics("idefics3"), "lfm2_vl": lfm2_vl,
+        "cohere2_vision": lambda: aya_vision("cohere2_vision"), "vipllava": lambda: llava("vipllava"),
+        "qwen3_5_moe": lambda: qwen_vl("qwen3_5_moe"), "glm46v": lambda: qwen_vl("glm46v")}

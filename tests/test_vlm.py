@@ -25,6 +25,10 @@ EXPECTED = {  # sites per pattern: (vision tower, language model) summed
     "aya_vision": {"rms_norm": 0, "rope": 2, "swiglu": 3, "linear_cross_entropy": 1},  # its projector's SwiGLU
     "idefics3": {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
     "lfm2_vl": {"rms_norm": 9, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
+    "cohere2_vision": {"rms_norm": 0, "rope": 2, "swiglu": 3, "linear_cross_entropy": 1},  # Aya Vision's projector
+    "vipllava": {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
+    "qwen3_5_moe": {"rms_norm": 10, "rope": 3, "swiglu": 5, "linear_cross_entropy": 1},
+    "glm46v": {"rms_norm": 15, "rope": 4, "swiglu": 5, "linear_cross_entropy": 1},
 }
 # Graphs no backend compiles, which Dynamo then runs eagerly; they hold no site. AOTAutograd cannot
 # trace Qwen3-VL's (and Qwen3-VL-MoE's) DeepStack add, ``h[mask, :] = h[mask, :] + v`` (the backward
