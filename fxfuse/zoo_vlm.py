@@ -63,11 +63,47 @@ def qwen_vl(model_type: str):
                       video_end_token_id=105)
     cfg = AutoConfig.for_model(model_type, text_config={**text, "rope_parameters": rope}, vision_config=vision,
                                image_token_id=IMAGE, video_token_id=101, **tokens)
+    return cfg, _patch_grid_image()
+
+
+def _patch_grid_image() -> dict:
+    """One 8 x 8-patch image (4 x 4 pixels, 2 frames each), flattened as Qwen-VL's processor gives it,
+    merged 2 x 2 into 16 tokens between a start (102) and an end (103) token."""
     t, h, w = 1, 8, 8
     ids, labels = _ids(h * w // 4, start=102, end=103)
     pixels = torch.randn(t * h * w, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(2))
-    return cfg, {"input_ids": ids, "labels": labels, "pixel_values": pixels, "image_grid_thw": torch.tensor([[t, h, w]]),
-                 "mm_token_type_ids": (ids == IMAGE).long()}
+    return {"input_ids": ids, "labels": labels, "pixel_values": pixels, "image_grid_thw": torch.tensor([[t, h, w]]),
+            "mm_token_type_ids": (ids == IMAGE).long()}
+
+
+def exaone4_5():
+    """EXAONE 4.5: Qwen2.5-VL's windowed vision tower (with grouped kv heads) and an EXAONE 4 (sliding-window
+    and global layers, M-RoPE)."""
+    from transformers import AutoConfig
+
+    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, num_key_value_heads=2, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32, window_size=16,
+                  fullatt_block_indexes=[1])
+    rope = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
+    text = {"model_type": "exaone4", **TEXT, "rope_parameters": rope, "sliding_window": 8}
+    cfg = AutoConfig.for_model("exaone4_5", text_config=text, vision_config=vision, image_token_id=IMAGE,
+                               video_token_id=101, vision_start_token_id=102, vision_end_token_id=103)
+    return cfg, _patch_grid_image()
+
+
+def lfm3_vl():
+    """LFM3-VL: a vision tower of short-convolution and attention blocks (axial 2-D RoPE) on Qwen-VL-style
+    patches, and an LFM3 language model (a short convolution, then attention)."""
+    from transformers import AutoConfig
+
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                  layer_types=["conv", "full_attention"])
+    text = TEXT | {"layer_types": ["conv", "full_attention"]}  # its default at 2 layers has no attention
+    cfg = AutoConfig.for_model("lfm3_vl", text_config=text, vision_config=vision, image_token_id=IMAGE,
+                               video_token_id=101, vision_start_token_id=102, vision_end_token_id=103,
+                               projector_hidden_size=32)
+    return cfg, _patch_grid_image()
 
 
 def _vision_tower(model_type: str) -> dict:
@@ -87,6 +123,21 @@ def llava(model_type: str = "llava"):
     ids, labels = _ids(16)
     return cfg, {"input_ids": ids, "labels": labels,
                  "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+
+
+def llava_next(model_type: str):
+    """LLaVA-NeXT (CLIP, Llama) / LLaVA-OneVision (SigLIP, Qwen2): "anyres" tiling with one 16 x 16 tile
+    grid, so the image is a base view and one tile, 2 x 16 patch tokens, plus an image_newline per row
+    of the tile's 4 x 4 grid: 36 image tokens."""
+    from transformers import AutoConfig
+
+    text, tower = ({"model_type": "llama"}, _vision_tower("clip_vision_model") | {"projection_dim": 16}) if (
+        model_type == "llava_next") else ({"model_type": "qwen2"}, _vision_tower("siglip_vision_model"))
+    cfg = AutoConfig.for_model(model_type, text_config=text | TEXT, vision_config=tower, image_token_index=IMAGE,
+                               vision_feature_layer=-1, image_grid_pinpoints=[[16, 16]])
+    ids, labels = _ids(36)
+    return cfg, {"input_ids": ids, "labels": labels, "image_sizes": torch.tensor([[16, 16]]),
+                 "pixel_values": torch.randn(1, 2, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
 
 
 def gemma3():
@@ -206,4 +257,6 @@ VLMS = {"qwen2_vl": lambda: qwen_vl("qwen2_vl"), "qwen2_5_vl": lambda: qwen_vl("
         "paligemma": paligemma, "smolvlm": lambda: idefics("smolvlm"), "llama4": llama4, "internvl": internvl,
         "aya_vision": aya_vision, "idefics3": lambda: idefics("idefics3"), "lfm2_vl": lfm2_vl,
         "cohere2_vision": lambda: aya_vision("cohere2_vision"), "vipllava": lambda: llava("vipllava"),
-        "qwen3_5_moe": lambda: qwen_vl("qwen3_5_moe"), "glm46v": lambda: qwen_vl("glm46v")}
+        "qwen3_5_moe": lambda: qwen_vl("qwen3_5_moe"), "glm46v": lambda: qwen_vl("glm46v"),
+        "llava_next": lambda: llava_next("llava_next"), "llava_onevision": lambda: llava_next("llava_onevision"),
+        "exaone4_5": exaone4_5, "lfm3_vl": lfm3_vl}

@@ -29,6 +29,10 @@ EXPECTED = {  # sites per pattern: (vision tower, language model) summed
     "vipllava": {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
     "qwen3_5_moe": {"rms_norm": 10, "rope": 3, "swiglu": 5, "linear_cross_entropy": 1},
     "glm46v": {"rms_norm": 15, "rope": 4, "swiglu": 5, "linear_cross_entropy": 1},
+    "llava_next": {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
+    "llava_onevision": {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
+    "exaone4_5": {"rms_norm": 14, "rope": 4, "swiglu": 4, "linear_cross_entropy": 1},
+    "lfm3_vl": {"rms_norm": 18, "rope": 2, "swiglu": 4, "linear_cross_entropy": 1},
 }
 # Graphs no backend compiles, which Dynamo then runs eagerly; they hold no site. AOTAutograd cannot
 # trace Qwen3-VL's (and Qwen3-VL-MoE's) DeepStack add, ``h[mask, :] = h[mask, :] + v`` (the backward
