@@ -140,6 +140,25 @@ def llava_next(model_type: str):
                  "pixel_values": torch.randn(1, 2, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
 
 
+def mllama():
+    """Mllama (Llama 3.2 Vision): a tiled ViT (local then global layers, gated) whose features the Llama reads
+    through a cross-attention layer (q / k RMSNorms, no rotary) next to a self-attention one; one 1-tile image,
+    one image token."""
+    from transformers import AutoConfig
+
+    # vision_output_dim: hidden_size x (1 + 2 intermediate layers)
+    vision = dict(hidden_size=16, num_hidden_layers=2, num_global_layers=1, attention_heads=2, intermediate_size=32,
+                  vision_output_dim=48, image_size=16, patch_size=4, max_num_tiles=1,
+                  intermediate_layers_indices=[0, 1], supported_aspect_ratios=[[1, 1]])
+    text = {k: v for k, v in TEXT.items() if k != "head_dim"} | {"cross_attention_layers": [1]}
+    cfg = AutoConfig.for_model("mllama", text_config=text, vision_config=vision, image_token_index=IMAGE)
+    ids, labels = _ids(1)
+    return cfg, {"input_ids": ids, "labels": labels,
+                 "pixel_values": torch.randn(1, 1, 1, 3, 16, 16, generator=torch.Generator().manual_seed(2)),
+                 "aspect_ratio_ids": torch.tensor([[1]]), "aspect_ratio_mask": torch.ones(1, 1, 1, dtype=torch.long),
+                 "cross_attention_mask": torch.ones(1, ids.shape[1], 1, 1, dtype=torch.long)}
+
+
 def gemma3():
     """Gemma 3: a SigLIP vision tower and Gemma 3's language model, whose image tokens attend to each
     other both ways (token_type_ids: a mask function transformers builds with torch.vmap)."""
@@ -259,4 +278,4 @@ VLMS = {"qwen2_vl": lambda: qwen_vl("qwen2_vl"), "qwen2_5_vl": lambda: qwen_vl("
         "cohere2_vision": lambda: aya_vision("cohere2_vision"), "vipllava": lambda: llava("vipllava"),
         "qwen3_5_moe": lambda: qwen_vl("qwen3_5_moe"), "glm46v": lambda: qwen_vl("glm46v"),
         "llava_next": lambda: llava_next("llava_next"), "llava_onevision": lambda: llava_next("llava_onevision"),
-        "exaone4_5": exaone4_5, "lfm3_vl": lfm3_vl}
+        "exaone4_5": exaone4_5, "lfm3_vl": lfm3_vl, "mllama": mllama}

@@ -33,6 +33,7 @@ EXPECTED = {  # sites per pattern: (vision tower, language model) summed
     "llava_onevision": {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1},
     "exaone4_5": {"rms_norm": 14, "rope": 4, "swiglu": 4, "linear_cross_entropy": 1},
     "lfm3_vl": {"rms_norm": 18, "rope": 2, "swiglu": 4, "linear_cross_entropy": 1},
+    "mllama": {"rms_norm": 7, "rope": 1, "swiglu": 2, "linear_cross_entropy": 1},  # cross-attention: no rotary
 }
 # Graphs no backend compiles, which Dynamo then runs eagerly; they hold no site. AOTAutograd cannot
 # trace Qwen3-VL's (and Qwen3-VL-MoE's) DeepStack add, ``h[mask, :] = h[mask, :] + v`` (the backward
