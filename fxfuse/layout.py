@@ -14,21 +14,14 @@ place through any alias stays a view: a copy would lose the aliasing the mutatio
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 
 aten = torch.ops.aten
 
 
-def _returns_alias(n: fx.Node) -> bool:
-    """n's output aliases its first argument (a view op, or an in-place op returning self)."""
-    schema = getattr(n.target, "_schema", None)
-    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
-
-
 def _mutated_args(n: fx.Node) -> list:
+    """The nodes n's op writes in place (arguments its schema marks as written)."""
     schema = getattr(n.target, "_schema", None)
     if schema is None:
         return []
@@ -40,25 +33,18 @@ def _mutated_args(n: fx.Node) -> list:
     return [v for v in out if isinstance(v, fx.Node)]
 
 
-def _alias_roots(gm: fx.GraphModule) -> dict:
-    """node -> the node its storage comes from (through view ops and getitem of their lists)."""
-    root: dict[fx.Node, fx.Node] = {}
-    for n in gm.graph.nodes:
-        src = n.args[0] if n.op == "call_function" and n.args else None
-        aliased = isinstance(src, fx.Node) and (_returns_alias(n) or (
-            n.target is operator.getitem and src.op == "call_function" and _returns_alias(src)))
-        root[n] = root.get(src, src) if aliased else n
-    return root
-
-
 def relax_views(gm: fx.GraphModule) -> int:
     """Turn gm's ``aten.view`` calls into ``aten.reshape`` where no alias of their tensor is
-    mutated in place; the number turned. Same values and, where the layout allows, no copy."""
-    root = _alias_roots(gm)
-    mutated = {root[m] for n in gm.graph.nodes if n.op == "call_function" for m in _mutated_args(n)}
+    mutated in place; the number turned. Same values and, where the layout allows, no copy.
+    Aliases are grouped by the storage they view (fxfuse.reinplace.storage_base: an unknown op may
+    alias, and every graph input shares the group None)."""
+    from .reinplace import storage_base
+
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    mutated = {storage_base(m) for n in calls for m in _mutated_args(n)}
     turned = 0
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is aten.view.default and root[n] not in mutated:
+    for n in calls:
+        if n.target is aten.view.default and storage_base(n) not in mutated:
             n.target = aten.reshape.default
             turned += 1
     if turned:

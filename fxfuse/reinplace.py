@@ -74,7 +74,7 @@ def _fresh(n: fx.Node) -> bool:
     return not _aliasing(n)
 
 
-def _base(n: fx.Node) -> fx.Node | None:
+def storage_base(n: fx.Node) -> fx.Node | None:
     """The node whose fresh storage n views, or None (a graph input, a constant, an unknown op)."""
     while isinstance(n, fx.Node) and not _fresh(n):
         if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
@@ -111,7 +111,7 @@ def overwritable(target: fx.Node, call: fx.Node, others: list, grad: torch.Tenso
     """target (an argument of call) may hold call's gradient grad: see the module docstring.
     others: call's other tensor arguments, which must not share target's storage."""
     val = target.meta.get("val")
-    base = _base(target)
+    base = storage_base(target)
     if base is None or not isinstance(val, torch.Tensor) or not isinstance(grad, torch.Tensor):
         return False
     if val.dtype != grad.dtype or val.device != grad.device or not _same_shape(val, grad) or not _contiguous(val):
