@@ -12,6 +12,11 @@ TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_lay
 IMAGE = 100  # the image placeholder token
 
 
+def _pixels(*shape: int) -> torch.Tensor:
+    """Random pixel values of this shape, the same draw in every builder (seed 2)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+
+
 def _ids(n_image: int, start: int | None = None, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[1, T] ids: 2 text tokens, [start,] n_image placeholders, [end,] 5 text tokens; labels."""
     g = torch.Generator().manual_seed(1)
@@ -24,6 +29,13 @@ def _ids(n_image: int, start: int | None = None, end: int | None = None) -> tupl
     return ids, labels
 
 
+# Qwen2.5-VL's windowed vision tower at tiny scale (patch 4, merged 2 x 2; window attention, then a full
+# block) and M-RoPE sections over a head of 8 (t, h, w: 2, 1, 1 rotary pairs)
+_QWEN_VISION = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, spatial_merge_size=2,
+                    temporal_patch_size=2, out_hidden_size=32, window_size=16, fullatt_block_indexes=[1])
+_MROPE = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
+
+
 def qwen_vl(model_type: str):
     """Qwen2-VL / Qwen2.5-VL / Qwen3-VL (-MoE) / Qwen3.5 (-MoE) / GLM-4V (-MoE) / GLM-4.6V: a vision transformer
     with 2-D RoPE on unbatched [T, H, D] q / k, M-RoPE in the language model; one 8 x 8-patch image merged 2 x 2
@@ -32,12 +44,11 @@ def qwen_vl(model_type: str):
     (GLM-4.6V: GLM-4V's configs under another model type)."""
     from transformers import AutoConfig
 
-    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=32, window_size=16, fullatt_block_indexes=[1])
+    vision = dict(_QWEN_VISION)
     if model_type == "qwen2_vl":
         vision = dict(depth=2, embed_dim=16, hidden_size=32, mlp_ratio=2, num_heads=2, patch_size=4,
                       spatial_merge_size=2, temporal_patch_size=2)
-    rope = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
+    rope = dict(_MROPE)
     text, tokens = dict(TEXT), dict(vision_start_token_id=102, vision_end_token_id=103)
     qwen3_5 = model_type in ("qwen3_5", "qwen3_5_moe")
     if model_type in ("qwen3_vl", "qwen3_vl_moe") or qwen3_5:  # learned position embeddings on a 4 x 4 grid
@@ -71,7 +82,7 @@ def _patch_grid_image() -> dict:
     merged 2 x 2 into 16 tokens between a start (102) and an end (103) token."""
     t, h, w = 1, 8, 8
     ids, labels = _ids(h * w // 4, start=102, end=103)
-    pixels = torch.randn(t * h * w, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(2))
+    pixels = _pixels(t * h * w, 3 * 2 * 4 * 4)
     return {"input_ids": ids, "labels": labels, "pixel_values": pixels, "image_grid_thw": torch.tensor([[t, h, w]]),
             "mm_token_type_ids": (ids == IMAGE).long()}
 
@@ -81,12 +92,9 @@ def exaone4_5():
     and global layers, M-RoPE)."""
     from transformers import AutoConfig
 
-    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, num_key_value_heads=2, patch_size=4,
-                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32, window_size=16,
-                  fullatt_block_indexes=[1])
-    rope = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
-    text = {"model_type": "exaone4", **TEXT, "rope_parameters": rope, "sliding_window": 8}
-    cfg = AutoConfig.for_model("exaone4_5", text_config=text, vision_config=vision, image_token_id=IMAGE,
+    text = {"model_type": "exaone4", **TEXT, "rope_parameters": dict(_MROPE), "sliding_window": 8}
+    cfg = AutoConfig.for_model("exaone4_5", text_config=text, vision_config=_QWEN_VISION | {"num_key_value_heads": 2},
+                               image_token_id=IMAGE,
                                video_token_id=101, vision_start_token_id=102, vision_end_token_id=103)
     return cfg, _patch_grid_image()
 
@@ -122,7 +130,7 @@ def llava(model_type: str = "llava"):
                                image_token_index=IMAGE, **layers)
     ids, labels = _ids(16)
     return cfg, {"input_ids": ids, "labels": labels,
-                 "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+                 "pixel_values": _pixels(1, 3, 16, 16)}
 
 
 def llava_next(model_type: str):
@@ -137,7 +145,7 @@ def llava_next(model_type: str):
                                vision_feature_layer=-1, image_grid_pinpoints=[[16, 16]])
     ids, labels = _ids(36)
     return cfg, {"input_ids": ids, "labels": labels, "image_sizes": torch.tensor([[16, 16]]),
-                 "pixel_values": torch.randn(1, 2, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+                 "pixel_values": _pixels(1, 2, 3, 16, 16)}
 
 
 def mllama():
@@ -154,7 +162,7 @@ def mllama():
     cfg = AutoConfig.for_model("mllama", text_config=text, vision_config=vision, image_token_index=IMAGE)
     ids, labels = _ids(1)
     return cfg, {"input_ids": ids, "labels": labels,
-                 "pixel_values": torch.randn(1, 1, 1, 3, 16, 16, generator=torch.Generator().manual_seed(2)),
+                 "pixel_values": _pixels(1, 1, 1, 3, 16, 16),
                  "aspect_ratio_ids": torch.tensor([[1]]), "aspect_ratio_mask": torch.ones(1, 1, 1, dtype=torch.long),
                  "cross_attention_mask": torch.ones(1, ids.shape[1], 1, 1, dtype=torch.long)}
 
@@ -169,7 +177,7 @@ def gemma3():
                                image_token_index=IMAGE, boi_token_index=104, eoi_token_index=105)
     ids, labels = _ids(4, start=104, end=105)
     return cfg, {"input_ids": ids, "labels": labels, "token_type_ids": (ids == IMAGE).long(),
-                 "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+                 "pixel_values": _pixels(1, 3, 16, 16)}
 
 
 def mistral3():
@@ -183,7 +191,7 @@ def mistral3():
                                image_token_index=IMAGE, spatial_merge_size=2, vision_feature_layer=-1)
     ids, labels = _ids(4)
     return cfg, {"input_ids": ids, "labels": labels, "image_sizes": torch.tensor([[16, 16]]),
-                 "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+                 "pixel_values": _pixels(1, 3, 16, 16)}
 
 
 def paligemma():
@@ -195,7 +203,7 @@ def paligemma():
                                image_token_index=IMAGE, projection_dim=32, hidden_size=32)
     ids, labels = _ids(16)
     return cfg, {"input_ids": ids, "labels": labels, "token_type_ids": (ids == IMAGE).long(),
-                 "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+                 "pixel_values": _pixels(1, 3, 16, 16)}
 
 
 def idefics(model_type: str):
@@ -208,7 +216,7 @@ def idefics(model_type: str):
                                scale_factor=2)
     ids, labels = _ids(4)
     return cfg, {"input_ids": ids, "labels": labels,
-                 "pixel_values": torch.randn(1, 1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+                 "pixel_values": _pixels(1, 1, 3, 16, 16)}
 
 
 def llama4():
@@ -225,7 +233,7 @@ def llama4():
                                boi_token_index=104, eoi_token_index=105)
     ids, labels = _ids(4)
     return cfg, {"input_ids": ids, "labels": labels,
-                 "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+                 "pixel_values": _pixels(1, 3, 16, 16)}
 
 
 def internvl():
@@ -237,7 +245,7 @@ def internvl():
                                image_token_id=IMAGE, downsample_ratio=0.5)
     ids, labels = _ids(4)
     return cfg, {"input_ids": ids, "labels": labels,
-                 "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+                 "pixel_values": _pixels(1, 3, 16, 16)}
 
 
 def aya_vision(model_type: str = "aya_vision"):
@@ -251,7 +259,7 @@ def aya_vision(model_type: str = "aya_vision"):
                                vision_config=_vision_tower("siglip_vision_model"), downsample_factor=2, **image)
     ids, labels = _ids(4)
     return cfg, {"input_ids": ids, "labels": labels,
-                 "pixel_values": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))}
+                 "pixel_values": _pixels(1, 3, 16, 16)}
 
 
 def lfm2_vl():
@@ -265,7 +273,7 @@ def lfm2_vl():
                                downsample_factor=2, projector_hidden_size=32)
     ids, labels = _ids(4)
     return cfg, {"input_ids": ids, "labels": labels, "spatial_shapes": torch.tensor([[4, 4]]),
-                 "pixel_values": torch.randn(1, 16, 3 * 4 * 4, generator=torch.Generator().manual_seed(2)),
+                 "pixel_values": _pixels(1, 16, 3 * 4 * 4),
                  "pixel_attention_mask": torch.ones(1, 16, dtype=torch.long)}
 
 
