@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fxfuse.harness import FP32_TOL, as_accurate_as_eager, fp64_run, fp64_verdict, grad_errors, rel_err
+from fxfuse.harness import FP32_TOL, as_accurate_as_eager, exact_fp32, fp64_run, fp64_verdict, grad_errors, rel_err
 from fxfuse.sites import expected_sites, is_attention, is_gated_mlp, is_rms_norm, uses_rope
 
 
@@ -326,3 +326,14 @@ def test_copy_rebuilds_a_model_that_refuses_deepcopy():
     x = torch.randn(5, 4)
     torch.testing.assert_close(twin(x), model(x), rtol=0, atol=0)
     assert twin is not model and twin.weight_g.data_ptr() != model.weight_g.data_ptr()
+
+
+def test_exact_fp32_turns_tf32_off_and_restores_it():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        with exact_fp32():
+            assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
