@@ -131,9 +131,11 @@ def _provider_fn(provider: str, args):
         note = _fused_note(definition, options, extra, args)
         return (lambda x, w, b, t, s: compiled(x, w, b, t, s, *extra)), note
     if provider in ("fxfuse", "fxfuse-fast"):
-        if args.vocab_scale:
-            return None, "the bare op takes no scale tensor: fxfuse-compiled folds it into W"
         algorithm = "fast" if provider == "fxfuse-fast" else "lean"
+        if args.vocab_scale:  # the op's vocab_scale: fp32 [V]
+            return (lambda x, w, b, t, s: torch.ops.fxfuse.linear_cross_entropy(
+                x, w, b, t, IGNORE_INDEX, "mean", args.label_smoothing, 0.0, 1.0, algorithm, False, False,
+                s.float())), ""
         return (lambda x, w, b, t, s: torch.ops.fxfuse.linear_cross_entropy(x, w, b, t, *extra, algorithm)), ""
     raise ValueError(provider)
 

@@ -82,9 +82,6 @@ class Pattern:
     # Match -> [(description, bytes)] of tensors written inside single ATen ops of the match that
     # the fused op does not write either (cross_entropy's log-softmax, say): added to the report
     hidden_saved: Callable[[Any], list] = lambda m: []
-    # Match -> [(description, bytes)] of tensors the lowering writes that the original did not (the
-    # loss head's lm_head weight with a learned logit scale folded in): named in the report's text
-    written_instead: Callable[[Any], list] = lambda m: []
     # op -> {literal position: capture name}: literals that match any value (see Free)
     free_literals: dict = field(default_factory=dict)
     # candidate FX node -> a specific reason it matched no spelling, or None for the generic one

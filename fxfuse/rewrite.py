@@ -240,10 +240,6 @@ def rewrite(gm: fx.GraphModule, patterns: list[Pattern], opts: Options) -> Repor
             saved = [saved_bytes(m) for m in group]
             nbytes, names = sum(b for b, _ in saved), [t for _, ts in saved for t in ts]
             text, recomputed = f"{len(names)} tensors, {nbytes / 2**10:.1f} KiB/call", []
-            added = [t for m in group for t in pattern.written_instead(m)]
-            if added:
-                text += (f"; writes {', '.join(d for d, _ in added)} instead "
-                         f"({sum(b for _, b in added) / 2**10:.1f} KiB/call)")
             if _tag_checkpointed(set(gm.graph.nodes) - before, first):
                 text += ", in an activation-checkpointed region (recomputed in backward)"
             elif recompute and pattern.recompute:

@@ -2,10 +2,10 @@
 
     torch.ops.fxfuse.linear_cross_entropy_fast(x, weight, bias, target, ignore_index, reduction,
         label_smoothing, softcap, logit_scale, eager_rounding, fp32_transform, need_dx, need_dw,
-        need_db) -> (loss, dx, dweight, dbias)
+        need_db, vocab_scale=None, need_ds=False) -> (loss, dx, dweight, dbias, dvocab_scale)
 
-loss is the op's 0-dim fp32 loss; dx, dweight, dbias are its gradients for an upstream gradient
-of 1 (an empty tensor each where not needed). fxfuse::linear_cross_entropy picks this op when a
+loss is the op's 0-dim fp32 loss; dx, dweight, dbias, dvocab_scale are its gradients for an
+upstream gradient of 1 (an empty tensor each where not needed). fxfuse::linear_cross_entropy picks this op when a
 gradient is needed (algorithm "fast"); an eval / no_grad forward takes the lean lse-only
 forward instead and never forms a gradient. Math as in kernels/linear_cross_entropy.py with
     w_n = 1 ("sum") or 1 / count ("mean"), 0 on ignored rows, count = sum(target != ignore_index),
@@ -17,6 +17,9 @@ Forward, per pass of R tokens (rows n0:n0+R):
     math on the upcast zb:
         sweep 1: online max / sum-exp (and logit sum for label smoothing) -> lse_n, row_n
         sweep 2: dzr_n (grad of the raw x @ W.T + b), rounded to the input dtype, over zb in place
+    with a vocab_scale, sweep 2 runs instead as a column kernel (one program per column tile, its
+    rows in a loop, the row kernel's lse read back): dzr in place, and the scale's grad summed over
+    the pass's rows in fp32 registers, added to the [V] fp32 dvocab_scale (deterministic)
     dx[pass] = dzr @ W (matmul 2, into dx's rows), dW (+)= dzr.T @ x_pass (matmul 3: the first pass
     writes, later ones addmm with beta=1: dW is rounded to the weight dtype once per pass), and
     db += dzr.sum(0) in fp32 (cast to the bias dtype at the end).
@@ -43,7 +46,8 @@ from . import _lce_chunks as _chunks
 from ._dispatch import no_double_backward, use_triton
 from ._round import rne_by_bits, round_code
 from ._lce_chunks import _block, _num_warps, _rows_per_program, _view
-from ._lce_logits import _dlogits, _dlogits_reference, _logits, _logits_reference, _reduce_like_eager
+from ._lce_logits import (_dlogits, _dlogits_reference, _dlogits_vscaled, _dlogits_vscaled_reference, _logits,
+                          _logits_reference, _reduce_like_eager, _vocab_scale)
 
 _FAST_BLOCK_BYTES = 64 << 20
 _FAST_MAX_PASSES = 8
@@ -56,9 +60,11 @@ def _lce_fast_rows_kernel(
     target_ptr,  # [N] int64 targets
     loss_ptr,  # [N] fp32 out: row losses (0 on ignored rows)
     w_ptr,  # [1] fp32 per-row weight of the reduction: 1 ("sum") or 1 / count ("mean")
+    vs_ptr,  # [V] fp32 per-vocabulary logit scale; unused unless HAS_VSCALE
+    lse_ptr,  # [R] fp32 out: the pass's row logsumexps, for _lce_fast_cols_kernel; unused unless HAS_VSCALE
     n0, R, V, stride_z, ignore_index, scale, softcap, on_target, off_target, smoothing,
-    SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, ROUND: tl.constexpr, ROUND_OPS: tl.constexpr,
-    RNE_BY_BITS: tl.constexpr,
+    HAS_VSCALE: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, ROUND: tl.constexpr,
+    ROUND_OPS: tl.constexpr, RNE_BY_BITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BLOCK_N, 1] rows of the pass
@@ -75,7 +81,8 @@ def _lce_fast_rows_kernel(
         cols = v0 + tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
         mask = r_ok & (cols < V)
         zr = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-        z, _ = _logits(zr, z_row, cols, mask, scale, softcap, False, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
+        z, _ = _logits(zr, z_row, vs_ptr, cols, mask, scale, softcap, False, HAS_VSCALE, SOFTCAP, ROUND, ROUND_OPS,
+                       RNE_BY_BITS)
         if SMOOTHING:
             zsum += tl.sum(tl.where(mask, z, 0.0), axis=1, keep_dims=True)
         z = tl.where(mask, z, float("-inf"))
@@ -85,22 +92,61 @@ def _lce_fast_rows_kernel(
     lse = m + tl.log(s)
     # the target logit: one load (a target outside [0, V) is clamped, not checked: no host syncs)
     tc = tl.minimum(tl.maximum(t, 0), V - 1)
-    zt, _ = _logits(tl.load(z_row + tc, mask=r_ok, other=0.0).to(tl.float32), z_row, tc, r_ok, scale,
-                    softcap, False, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
+    zt, _ = _logits(tl.load(z_row + tc, mask=r_ok, other=0.0).to(tl.float32), z_row, vs_ptr, tc, r_ok, scale,
+                    softcap, False, HAS_VSCALE, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
     loss = lse - zt
     if SMOOTHING:
         loss = (1.0 - smoothing) * loss + smoothing * (lse - zsum / V)
     tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss), mask=r_ok)
-    # sweep 2: dzr = w * (softmax - on_target * onehot - off_target) through _logits' chain rule
-    w = tl.where(ignored, 0.0, tl.load(w_ptr))
-    for v0 in range(0, V, BLOCK):
-        cols = v0 + tl.arange(0, BLOCK)[None, :]
-        mask = r_ok & (cols < V)
-        zr = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-        z, th = _logits(zr, z_row, cols, mask, scale, softcap, False, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
+    if HAS_VSCALE:  # the scale's grad sums over rows: sweep 2 runs by columns (_lce_fast_cols_kernel)
+        tl.store(lse_ptr + r, lse, mask=r_ok)
+    else:
+        # sweep 2: dzr = w * (softmax - on_target * onehot - off_target) through _logits' chain rule
+        w = tl.where(ignored, 0.0, tl.load(w_ptr))
+        for v0 in range(0, V, BLOCK):
+            cols = v0 + tl.arange(0, BLOCK)[None, :]
+            mask = r_ok & (cols < V)
+            zr = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+            z, th = _logits(zr, z_row, vs_ptr, cols, mask, scale, softcap, False, False, SOFTCAP, ROUND, ROUND_OPS,
+                            RNE_BY_BITS)
+            dz = (tl.exp(z - lse) - off_target - tl.where(cols == t, on_target, 0.0)) * w
+            dz = _dlogits(dz, th, scale, softcap, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
+            tl.store(z_row + cols, dz.to(z_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lce_fast_cols_kernel(
+    z_ptr,  # [R, V] in/out: raw logits x @ W.T (+ b) of one pass in the input dtype; becomes dzr
+    target_ptr,  # [N] int64 targets
+    lse_ptr,  # [R] fp32 row logsumexps of the pass (_lce_fast_rows_kernel)
+    w_ptr,  # [1] fp32 per-row weight of the reduction
+    vs_ptr,  # [V] fp32 per-vocabulary logit scale
+    ds_ptr,  # [V] fp32 in/out: the scale's grad, summed over the passes (each column by one program)
+    n0, R, V, stride_z, ignore_index, scale, softcap, on_target, off_target,
+    SOFTCAP: tl.constexpr, ROUND_OUT: tl.constexpr, RNE_BY_BITS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Sweep 2 of a pass with a per-vocabulary scale, by column tiles: dzr over the rows, and the
+    scale's grad as a column sum in registers (one program per column tile: deterministic)."""
+    cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # [1, BLOCK_V]
+    c_ok = cols < V
+    w_all = tl.load(w_ptr)
+    dvs = tl.zeros([BLOCK_V], tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)[:, None]  # [BLOCK_R, 1]
+        r_ok = r < R
+        mask = r_ok & c_ok
+        t = tl.load(target_ptr + n0 + r, mask=r_ok, other=ignore_index)
+        w = tl.where(t == ignore_index, 0.0, w_all)
+        lse = tl.load(lse_ptr + r, mask=r_ok, other=0.0)
+        zr = tl.load(z_ptr + r.to(tl.int64) * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+        z, th = _logits(zr, z_ptr, vs_ptr, cols, mask, scale, softcap, False, True, SOFTCAP, 0, 0, False)
         dz = (tl.exp(z - lse) - off_target - tl.where(cols == t, on_target, 0.0)) * w
-        dz = _dlogits(dz, th, scale, softcap, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
-        tl.store(z_row + cols, dz.to(z_ptr.dtype.element_ty), mask=mask)
+        dzr, terms = _dlogits_vscaled(dz, th, zr, vs_ptr, cols, mask, scale, softcap, SOFTCAP, ROUND_OUT, RNE_BY_BITS)
+        tl.store(z_ptr + r.to(tl.int64) * stride_z + cols, dzr.to(z_ptr.dtype.element_ty), mask=mask)
+        dvs += tl.sum(tl.where(mask, terms, 0.0), axis=0)
+    c = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    tl.store(ds_ptr + c, tl.load(ds_ptr + c, mask=c < V) + dvs, mask=c < V)
 
 
 def _fast_rows_per_pass(n: int, v: int, element_size: int) -> int:
@@ -118,27 +164,47 @@ def _fast_tile(v: int) -> int:
     return min(triton.next_power_of_2(v), _FAST_TILE)
 
 
-def _fast_rows(z, target, loss_rows, w, n0, ignore_index, smoothing, softcap, scale, rounding, round_ops,
+def _cols_tiles(rows: int, v: int) -> tuple[int, int]:
+    # (BLOCK_R, BLOCK_V) of the column sweep: 16 x 256 (512 B contiguous per row, 4096 elements =
+    # 8 warps x 16 per step); tests force small tiles so that both of its loops run.
+    if _chunks._CHUNK_OVERRIDE is not None:
+        return 4, _block(_chunks._CHUNK_OVERRIDE[1])
+    return min(triton.next_power_of_2(rows), 16), min(triton.next_power_of_2(v), 256)
+
+
+def _fast_rows(z, target, loss_rows, w, vs, ds, n0, ignore_index, smoothing, softcap, scale, rounding, round_ops,
                on_triton):
     """One pass's row losses into loss_rows[n0:n0+R]; z (the pass's raw logits) becomes dzr;
     rounding: eager's roundings of the logit ops in z's dtype; round_ops: also of the scale and
-    softcap (they run in z's dtype, before the .float())."""
+    softcap (they run in z's dtype, before the .float()); vs: the [V] fp32 per-vocabulary scale or
+    None, whose grad the pass adds to ds [V] fp32."""
     rows, vocab = z.shape
     if not on_triton:
-        loss, dz = _fast_rows_reference(z, target[n0:n0 + rows], w, ignore_index, smoothing, softcap, scale,
-                                        rounding, round_ops)
+        loss, dz, dvs = _fast_rows_reference(z, target[n0:n0 + rows], w, vs, ignore_index, smoothing, softcap,
+                                             scale, rounding, round_ops)
         loss_rows[n0:n0 + rows] = loss
         z.copy_(dz)
+        if vs is not None:
+            ds += dvs
         return
     block = _fast_tile(vocab)
     block_n = _rows_per_program(rows, block, z.device)
+    lse = torch.empty(rows if vs is not None else 0, device=z.device, dtype=torch.float32)
     _lce_fast_rows_kernel[(triton.cdiv(rows, block_n),)](
-        z, target, loss_rows, w, n0, rows, vocab, z.stride(0), ignore_index, scale, softcap,
-        1.0 - smoothing, smoothing / vocab, smoothing,
-        SOFTCAP=softcap > 0, SMOOTHING=smoothing > 0, ROUND=round_code(z.dtype, rounding),
-        ROUND_OPS=round_code(z.dtype, rounding and round_ops),
+        z, target, loss_rows, w, vs if vs is not None else w, lse if vs is not None else w, n0, rows, vocab,
+        z.stride(0), ignore_index, scale, softcap, 1.0 - smoothing, smoothing / vocab, smoothing,
+        HAS_VSCALE=vs is not None, SOFTCAP=softcap > 0, SMOOTHING=smoothing > 0,
+        ROUND=round_code(z.dtype, rounding), ROUND_OPS=round_code(z.dtype, rounding and round_ops),
         RNE_BY_BITS=rne_by_bits(z.device), BLOCK_N=block_n, BLOCK=block, num_warps=_num_warps(block),
     )
+    if vs is not None:
+        block_r, block_v = _cols_tiles(rows, vocab)
+        _lce_fast_cols_kernel[(triton.cdiv(vocab, block_v),)](
+            z, target, lse, w, vs, ds, n0, rows, vocab, z.stride(0), ignore_index, scale, softcap,
+            1.0 - smoothing, smoothing / vocab,
+            SOFTCAP=softcap > 0, ROUND_OUT=round_code(z.dtype), RNE_BY_BITS=rne_by_bits(z.device), BLOCK_R=block_r,
+            BLOCK_V=block_v, num_warps=_num_warps(block_r * block_v),
+        )
 
 
 @torch.library.custom_op("fxfuse::linear_cross_entropy_fast", mutates_args=())
@@ -146,12 +212,16 @@ def linear_cross_entropy_fast(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
     ignore_index: int, reduction: str, label_smoothing: float, softcap: float, logit_scale: float,
     eager_rounding: bool, fp32_transform: bool, need_dx: bool, need_dw: bool, need_db: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, dx, dweight, dbias) for an upstream gradient of 1; each one not needed is empty."""
+    vocab_scale: Optional[torch.Tensor] = None, need_ds: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dx, dweight, dbias, dvocab_scale) for an upstream gradient of 1; each one not needed is
+    empty (the scale's grad is computed whenever the op has a vocab_scale: it costs one [V] sum)."""
     x, weight, target = x.contiguous(), weight.contiguous(), target.contiguous()
+    vs = _vocab_scale(vocab_scale, weight, eager_rounding)
     n, h = x.shape
     vocab = weight.shape[0]
     need_db = need_db and bias is not None
+    ds = torch.zeros(vocab if vs is not None else 0, device=x.device, dtype=torch.float32)
     on_triton = x.is_cuda or use_triton(x)
     if reduction == "mean":  # on the device: 1 / 0 = inf on an all-ignored batch weighs no row
         count = (target != ignore_index).sum()
@@ -172,7 +242,7 @@ def linear_cross_entropy_fast(
             torch.addmm(b, xs, weight.T, out=z)
         else:
             torch.mm(xs, weight.T, out=z)
-        _fast_rows(z, target, loss_rows, w, n0, ignore_index, label_smoothing, softcap, logit_scale,
+        _fast_rows(z, target, loss_rows, w, vs, ds, n0, ignore_index, label_smoothing, softcap, logit_scale,
                    eager_rounding, not fp32_transform, on_triton)
         if need_dx:
             torch.mm(z, weight, out=dx[n0:n0 + rows])
@@ -183,46 +253,54 @@ def linear_cross_entropy_fast(
         if need_db:
             db += z.sum(0, dtype=torch.float32)
     loss = _reduce_like_eager(loss_rows, target, ignore_index, reduction)
-    return loss, dx, dw, db.to(bias.dtype) if need_db else x.new_empty(0)
+    ds = ds if need_ds else x.new_empty(0)
+    return loss, dx, dw, db.to(bias.dtype) if need_db else x.new_empty(0), ds
 
 
 @linear_cross_entropy_fast.register_fake
 def _(x, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, logit_scale,
-      eager_rounding, fp32_transform, need_dx, need_dw, need_db):
+      eager_rounding, fp32_transform, need_dx, need_dw, need_db, vocab_scale=None, need_ds=False):
     dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)
     db = bias.new_empty(bias.shape) if need_db and bias is not None else x.new_empty(0)
-    return x.new_empty((), dtype=torch.float32), dx, dw, db
+    need_ds = need_ds and vocab_scale is not None
+    ds = x.new_empty(weight.shape[0], dtype=torch.float32) if need_ds else x.new_empty(0)
+    return x.new_empty((), dtype=torch.float32), dx, dw, db, ds
 
 
 def _setup_context(ctx, inputs, output):
-    bias, need_dx, need_dw, need_db = inputs[2], *inputs[11:]
-    ctx.computed = (need_dx, need_dw, need_db and bias is not None)
+    # vocab_scale and need_ds where the call passed them
+    bias, (need_dx, need_dw, need_db) = inputs[2], inputs[11:14]
+    vocab_scale, need_ds = (*inputs[14:], None, False)[:2]
+    ctx.computed = (need_dx, need_dw, need_db and bias is not None, need_ds and vocab_scale is not None)
     ctx.save_for_backward(*output[1:])
     ctx.mark_non_differentiable(*output[1:])
 
 
-def _backward(ctx, dloss, _ddx, _ddw, _ddb):
+def _backward(ctx, dloss, _ddx, _ddw, _ddb, _dds):
     grads = ctx.saved_tensors
-    wanted = [need and have for need, have in zip(ctx.needs_input_grad[:3], ctx.computed)]
+    needs = ctx.needs_input_grad  # one per input the call passed: 14, or 15 / 16 with vocab_scale
+    wanted = [need and have for need, have in zip((*needs[:3], len(needs) > 14 and needs[14]), ctx.computed)]
     if dloss is None or not any(wanted):
-        return (None,) * 14
+        return (None,) * len(needs)
     out = [g * dloss if want else None for g, want in zip(grads, wanted)]
     if torch.is_grad_enabled():  # create_graph=True: the precomputed grads have no derivative
         kept = [g for g in out if g is not None]
         it = iter(no_double_backward(torch.ops.fxfuse.linear_cross_entropy_fast.default, tuple(kept)))
         out = [next(it) if g is not None else None for g in out]
-    return (*out,) + (None,) * 11
+    dx, dw, db, ds = out
+    return ((dx, dw, db) + (None,) * 11 + (ds, None))[:len(needs)]
 
 
 linear_cross_entropy_fast.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _fast_rows_reference(z, target, w, ignore_index, smoothing, softcap, scale, rounding, round_ops):
-    """PyTorch twin of _lce_fast_rows_kernel: (row losses [R] fp32, dzr [R, V] fp32) of one pass."""
-    rows, vocab = z.shape
-    low = z.dtype if rounding else None
-    z, t = _logits_reference(z.float(), None, 0, softcap, scale, low, round_ops)
+def _fast_rows_reference(zr, target, w, vs, ignore_index, smoothing, softcap, scale, rounding, round_ops):
+    """PyTorch twin of _lce_fast_rows_kernel (and, with a scale vs, _lce_fast_cols_kernel): (row
+    losses [R] fp32, dzr [R, V] fp32, the scale's grad [V] fp32 or None) of one pass."""
+    rows, vocab = zr.shape
+    low = zr.dtype if rounding else None
+    z, t = _logits_reference(zr.float(), None, 0, softcap, scale, low, round_ops, vs)
     ignored = target == ignore_index
     lse = z.logsumexp(1)
     zt = z.gather(1, target.clamp(0, vocab - 1)[:, None])[:, 0]
@@ -231,5 +309,8 @@ def _fast_rows_reference(z, target, w, ignore_index, smoothing, softcap, scale, 
         loss = (1.0 - smoothing) * loss + smoothing * (lse - z.sum(1) / vocab)
     onehot = torch.arange(vocab, device=z.device)[None, :] == target[:, None]
     dz = (z - lse[:, None]).exp() - smoothing / vocab - onehot * (1.0 - smoothing)
-    dz = _dlogits_reference(dz * torch.where(ignored, 0.0, w)[:, None], t, scale, softcap, low, round_ops)
-    return torch.where(ignored, 0.0, loss), dz
+    dz = dz * torch.where(ignored, 0.0, w)[:, None]
+    if vs is None:
+        return torch.where(ignored, 0.0, loss), _dlogits_reference(dz, t, scale, softcap, low, round_ops), None
+    dzr, terms = _dlogits_vscaled_reference(dz, t, zr.float(), vs, 0, scale, softcap)
+    return torch.where(ignored, 0.0, loss), dzr, terms.sum(0)

@@ -5,8 +5,8 @@ HF ``ForCausalLMLoss`` (``logits.float()``, ``view(-1, V)``), Gemma 2's softcap
 ``tanh(z / c) * c``, a logit scale (Cohere ``* s``, Granite ``/ s``), each with or without a bias,
 each before the ``.float()`` (HF) or after it (nanochat's fp32 softcap), modded-nanogpt's fp32
 ``30 * sigmoid(z / k)`` (a shifted softcap), a learned logit scale tensor (Dory's, nGPT's per-vocabulary
-``s_z``: folded into the lm_head's rows, ``W * s[:, None]``, so its gradient comes through that
-product), and class dim second (``[B, V, T]`` with ``[B, T]``
+``s_z``, or one number: the op's ``vocab_scale``, multiplied in fp32, its gradient summed by the
+kernels), and class dim second (``[B, V, T]`` with ``[B, T]``
 targets). The canonical view (fxfuse/canon.py) makes the rest the same graphs: ``x @ W.t()``
 reads as ``F.linear`` (normalize.canonical_linear), and the casts to fp32 and [N, V] row merges on
 the logits' way into cross_entropy disappear, so
@@ -200,7 +200,7 @@ def check(m) -> str | None:
         vocab = _vocab_rows(m)
         if tuple(scale.shape) not in ((), (1,), (vocab,)):
             return (f"logit scale of shape {list(scale.shape)} is neither per vocabulary entry ([{vocab}]) "
-                    "nor one number: only those fold into the lm_head weight")
+                    "nor one number")
     logits = val(m.anchor.args[0])
     if m.variant.fn is not lce_class_dim_second and (logits is None or logits.dim() != 2):
         # the canonical view elides the [N, V] row merges before cross_entropy (canon_rules._logits_chain)
@@ -250,26 +250,22 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
     if vocab is not None:  # logits z[..., :V] of a padded lm_head: its first V rows (canon_rules._vocab_slice)
         w = call(aten.slice.Tensor, (w, 0, 0, vocab))
         b = call(aten.slice.Tensor, (b, 0, 0, vocab)) if b is not None else None
-    if "s" in m.inputs:  # (x @ W.T + b) * s[v] = x @ (W * s[:, None]).T + b * s: folded in fp32
-        scale = call(aten.to.dtype, (m.inputs["s"], torch.float32))
-        w = _scaled(call, w, call(aten.reshape.default, (scale, [-1, 1])), low)
-        b = _scaled(call, b, scale, low) if b is not None else None
+    vscale = None
+    if "s" in m.inputs:  # a learned scale [V] (or one number, expanded): the op multiplies in fp32
+        vscale = call(aten.to.dtype, (m.inputs["s"], torch.float32))
+        if tuple(val(m.inputs["s"]).shape) != (_vocab_rows(m),):
+            vscale = call(aten.expand.default, (call(aten.reshape.default, (vscale, [1])), [_vocab_rows(m)]))
     x = call(aten.flatten.using_ints, (x, 0, -2))
     target = call(aten.flatten.using_ints, (_target(m), 0, -1))
     s = m.scalars
     loss = call(torch.ops.fxfuse.linear_cross_entropy.default, (
         x, w, b, target, int(s["ignore_index"]), REDUCTIONS[s["reduction"]], float(s["label_smoothing"]),
         *_transform(s), opts.loss_head_algorithm(), opts.eager_rounding and "s" not in m.inputs,
-        m.variant.consts.get("fp32_transform", False)))
+        m.variant.consts.get("fp32_transform", False), *([vscale] if vscale is not None else [])))
     if REDUCTIONS[s["reduction"]] == "none":  # row losses [N] in the target's shape ([B, T]: class dim second)
         loss = call(aten.view_as.default, (loss, _target(m)))
     out_dtype = val(m.anchor).dtype
     return loss if out_dtype == torch.float32 else call(aten.to.dtype, (loss, out_dtype))
-
-
-def _scaled(call, t: fx.Node, scale: fx.Node, dtype: torch.dtype) -> fx.Node:
-    """t * scale computed in fp32, rounded to the lm_head's dtype (one rounding, as t's own)."""
-    return call(aten.to.dtype, (call(aten.mul.Tensor, (call(aten.to.dtype, (t, torch.float32)), scale)), dtype))
 
 
 def _hidden(m) -> list:
@@ -284,19 +280,6 @@ def _hidden(m) -> list:
     grad = f32.to(dtype)
     return [(f"log_softmax (in cross_entropy):float32[{rows}, {vocab}]", bytes_of(f32)),
             (f"grad of logits (backward):{str(dtype).removeprefix('torch.')}[{rows}, {vocab}]", bytes_of(grad))]
-
-
-def _folded_weight(m) -> list:
-    """The lm_head weight with a learned logit scale folded in, [V, H] in the lm_head's dtype: written
-    each forward and kept for backward, where the unfused graph reads W itself."""
-    from fxfuse.rewrite import bytes_of, example_shape
-
-    if "s" not in m.inputs:
-        return []
-    folded = torch.empty((_vocab_rows(m), val(m.inputs["w"]).shape[1]), dtype=val(_logits_node(m)).dtype,
-                         device="meta")
-    desc = f"lm_head weight * logit scale:{str(folded.dtype).removeprefix('torch.')}{example_shape(folded)}"
-    return [(desc, bytes_of(folded))]
 
 
 def _miss_reason(ce: fx.Node) -> str | None:
@@ -353,7 +336,6 @@ PATTERN = Pattern(
     lower=lower,
     may_escape=_returned_only,
     hidden_saved=_hidden,
-    written_instead=_folded_weight,
     free_literals={aten.cross_entropy_loss.default: {3: "reduction"}},
     is_candidate=lambda n: n.target == aten.cross_entropy_loss.default,
     miss_reason=_miss_reason,

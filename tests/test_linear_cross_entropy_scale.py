@@ -1,6 +1,6 @@
 """A learned logit scale tensor on the loss head (Dory's per-vocabulary scale, nGPT's s_z, a learned
-scalar): folded into the lm_head's rows (and bias), fused; the loss and every gradient, the scale's
-included, equal eager's; returned logits exact."""
+scalar): fused, the op's vocab_scale; the loss and every gradient, the scale's included, equal
+eager's; in bf16 the scaled logits are eager's own; returned logits exact."""
 import copy
 
 import pytest
@@ -50,14 +50,14 @@ def test_learned_logit_scale_fused_with_parity(order, shape, bias, inner):
     loss_err, grad_err, report, names = compiled_parity(model, _inputs(), inner=inner, loss_fn=lambda out: out)
     (site,) = report.matched
     assert site.pattern == "linear_cross_entropy" and "vocab_scaled" in site.variant, str(report)
-    assert "; writes lm_head weight * logit scale:float32[40, 16] instead (2.5 KiB/call)" in site.saved, site.saved
+    assert "instead" not in site.saved, site.saved  # no folded [V, H] weight is written any more
     assert "scale" in names and "lin.weight" in names
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
 
 
 def test_scale_of_a_padded_lm_head_sliced_to_the_vocabulary():
-    """nanochat-style padded lm_head: logits z[..., :V] then a [V] scale; the scale folds into W's
-    first V rows, the padding rows get no gradient."""
+    """nanochat-style padded lm_head: logits z[..., :V] then a [V] scale; the op reads W's first V
+    rows and the scale, the padding rows get no gradient."""
     lin, scale = nn.Linear(H, V + 8, bias=False), nn.Parameter(0.5 + torch.rand(V))
     x, t = torch.randn(2, 5, H), torch.randint(0, V, (2, 5))
 
@@ -74,7 +74,7 @@ def test_scale_of_a_padded_lm_head_sliced_to_the_vocabulary():
 
 
 def test_per_token_scale_is_reported():
-    """A scale that varies per token ([N, V]) folds into no weight: unfused, and the report says why."""
+    """A scale that varies per token ([N, V]) is no per-vocabulary scale: unfused, and the report says why."""
     lin, x, t = nn.Linear(H, V, bias=False), torch.randn(6, H), torch.randint(0, V, (6,))
     scale = torch.rand(6, V)
     report = fxfuse.explain(lambda x, t, s: F.cross_entropy(lin(x).float() * s, t), x, t, scale)
@@ -105,10 +105,10 @@ def _per_token_run(model, inputs, call=None):
 
 @pytest.mark.parametrize("order", ["dory", "before_float"])
 def test_learned_logit_scale_bf16_within_twice_eagers_error(order):
-    """bf16 weights: W * s rounds once in the folded weight where eager rounds the logits (and, before
-    the .float(), their scaled product), so the fused op skips the lm_head output's eager rounding.
-    Per-token losses and every gradient are no further from the fp32 run than 2x eager bf16's own
-    distance (per-token: a mean loss's error is a sum of signed roundings that cancel by chance)."""
+    """bf16 weights: the op multiplies the lm_head's output by the scale in fp32 (before the .float(),
+    eager rounds that product to bf16 too). Per-token losses and every gradient are no further from
+    the fp32 run than 2x eager bf16's own distance (per-token: a mean loss's error is a sum of signed
+    roundings that cancel by chance)."""
     g = torch.Generator().manual_seed(10)
     inputs = {"x": torch.randn(4, 32, H, generator=g), "t": torch.randint(0, V, (4, 32), generator=g),
               "weights": torch.rand(128, generator=g), "reduction": "none"}
@@ -124,6 +124,37 @@ def test_learned_logit_scale_bf16_within_twice_eagers_error(order):
     assert site.variant == {"dory": "lce_fp32_vocab_scaled_dory", "before_float": "lce_vocab_scaled"}[order]
     assert rel_err(f_losses, ref_losses) <= 2 * rel_err(e_losses, ref_losses)
     assert rel_err(f_grads, ref_grads) <= 2 * rel_err(e_grads, ref_grads)
+
+
+@pytest.mark.parametrize("loss_head", ["fast", "lean"])
+def test_bf16_dory_head_error_is_eagers(loss_head):
+    """Dory's bf16 head, logits.float() * s: the op scales the lm_head's output in fp32 as eager does
+    and sums the scale's gradient over the tokens in fp32, so the loss, dx and ds are no further from
+    the fp32 run than eager bf16 is (fast: the same bf16 lm_head output; lean: an fp32 one), each on
+    its own. Folding s into W (before the thirty-fourth session) rounded W * s instead: here dx 1.6x
+    and ds 2.0x eager's error, on an H100 at 8192 x 4096 x 128256 4x. dW: rounded once per pass, 2x."""
+    h, v, n = 256, 512, 192
+    g = torch.Generator().manual_seed(3)
+    x, t = torch.randn(n, h, generator=g), torch.randint(0, v, (n,), generator=g)
+    w, s = torch.randn(v, h, generator=g) / h**0.5, torch.rand(v, generator=g) + 0.5
+
+    def head(x, w, s, t):
+        return F.cross_entropy(F.linear(x, w).float() * s, t)
+
+    def run(fn, dtype):  # on the bf16 values of x and W: the errors are the computations' own
+        leaves = [x.bfloat16().to(dtype).requires_grad_(), w.bfloat16().to(dtype).requires_grad_(),
+                  s.clone().requires_grad_()]
+        loss = fn(*leaves, t)
+        return [loss, *torch.autograd.grad(loss, leaves)]
+
+    ref, eager = run(head, torch.float32), run(head, torch.bfloat16)
+    torch._dynamo.reset()
+    got = run(torch.compile(head, backend="fxfuse", options={"inner": "aot_eager", "loss_head": loss_head}),
+              torch.bfloat16)
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1, str(fxfuse.last_report())
+    for name, mine, theirs, r in zip(["loss", "dx", "dw", "ds"], got, eager, ref):
+        bound = (2.0 if name == "dw" else 1.1) * rel_err(theirs, r)
+        assert rel_err(mine, r) <= bound, (name, rel_err(mine, r), rel_err(theirs, r))
 
 
 def test_dory_loss_head_fused():

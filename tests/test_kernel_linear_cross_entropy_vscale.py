@@ -1,0 +1,150 @@
+"""fxfuse.linear_cross_entropy with a per-vocabulary logit scale (vocab_scale, Dory's learned
+``logits.float() * s``): both algorithms' kernels under the interpreter in small passes and chunks
+(lce_cases.small_chunks), and the CPU reference path, against eager; the scale's gradient; the op's
+checks. The compiled models are in test_linear_cross_entropy_scale.py."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxfuse.kernels._lce_chunks as lce_chunks
+from lce_cases import ALGOS, FAST, OP, inputs, rel, small_chunks  # noqa: F401
+
+pytestmark = pytest.mark.interpreter
+
+
+def eager(x, w, b, t, s, ignore_index=-100, reduction="mean", smoothing=0.0, softcap=0.0):
+    """Dory's head (softcap and smoothing too): the lm_head's output in fp32 times s, then cross_entropy."""
+    z = F.linear(x, w, b).float() * s
+    if softcap > 0:
+        z = softcap * torch.tanh(z / softcap)
+    return F.cross_entropy(z, t, ignore_index=ignore_index, reduction=reduction, label_smoothing=smoothing)
+
+
+def fused(algo):
+    def fn(x, w, b, t, s, ignore_index=-100, reduction="mean", smoothing=0.0, softcap=0.0):
+        return OP(x, w, b, t, ignore_index, reduction, smoothing, softcap, 1.0, algo, False, False, s)
+    return fn
+
+
+def grads(fn, x, w, b, t, s, *args, need=(True, True, True, True)):
+    """[loss, then the grads of x, w, b, s that are needed] on fresh leaves."""
+    leaves = [p.detach().clone().requires_grad_(r) if p is not None else None for p, r in zip((x, w, b, s), need)]
+    loss = fn(*leaves[:3], t, leaves[3], *args)
+    return [loss, *torch.autograd.grad(loss, [p for p in leaves if p is not None and p.requires_grad])]
+
+
+def scale(v, seed=1):
+    return torch.rand(v, generator=torch.Generator().manual_seed(seed)) + 0.5
+
+
+CASES = [  # n, h, v, bias, ignore_index, reduction, label_smoothing, softcap
+    (37, 24, 211, False, -100, "mean", 0.0, 0.0),
+    (37, 24, 211, True, -1, "sum", 0.1, 0.0),
+    (37, 24, 211, True, -100, "mean", 0.1, 5.0),
+    (1, 24, 211, False, -100, "mean", 0.0, 3.0),
+    (20, 40, 64, True, 3, "mean", 0.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("n,h,v,bias,ii,red,ls,cap", CASES, ids=[f"c{i}" for i in range(len(CASES))])
+def test_fp32_parity(algo, n, h, v, bias, ii, red, ls, cap):
+    """Loss, dx, dW, db and the scale's grad equal eager's to fp32 rounding (3 passes x 4 chunks;
+    the fast path's column sweep in 4-row x 64-column tiles)."""
+    x, w, b, t = inputs(n, h, v, torch.float32, bias, ii, logit_std=3.0)
+    if n == 1:
+        t[0] = 5
+    args = (ii, red, ls, cap)
+    got, ref = grads(fused(algo), x, w, b, t, scale(v), *args), grads(eager, x, w, b, t, scale(v), *args)
+    assert len(got) == len(ref) == (5 if bias else 4)
+    for g, r in zip(got, ref):
+        assert g.dtype == r.dtype and g.shape == r.shape and rel(g, r) < 1e-5
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_gpu_rows_per_program_and_reference_path(monkeypatch, algo):
+    """The GPU's one row per program in the row kernels, then the PyTorch reference (no interpreter)."""
+    x, w, b, t = inputs(37, 24, 211, torch.float32, True, logit_std=3.0)
+    args = (-100, "mean", 0.1, 4.0)
+    ref = grads(eager, x, w, b, t, scale(211), *args)
+    monkeypatch.setattr(lce_chunks, "_ROWS_PER_PROGRAM_OVERRIDE", 1)
+    for g, r in zip(grads(fused(algo), x, w, b, t, scale(211), *args), ref):
+        assert rel(g, r) < 1e-5
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for g, r in zip(grads(fused(algo), x, w, b, t, scale(211), *args), ref):
+        assert rel(g, r) < 1e-5
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("need", [(False, False, False, True), (True, True, True, False), (True, False, True, True)],
+                         ids=["scale_only", "frozen_scale", "frozen_w"])
+def test_only_needed_grads(algo, need):
+    """The scale's grad alone (x, W, b frozen: the fast op still runs), a frozen scale, a frozen W."""
+    x, w, b, t = inputs(37, 24, 211, torch.float32, True)
+    got = grads(fused(algo), x, w, b, t, scale(211), need=need)
+    ref = grads(eager, x, w, b, t, scale(211), need=need)
+    assert len(got) == len(ref) == 1 + sum(need)
+    for g, r in zip(got, ref):
+        assert rel(g, r) < 1e-5
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("red", ["mean", "sum"])
+def test_all_ignored(algo, red):
+    """An all-ignored batch: eager's loss (nan for "mean", 0 for "sum") and every grad 0, the scale's too."""
+    x, w, b, t = inputs(20, 24, 211, torch.float32, True)
+    t.fill_(-100)
+    got, ref = grads(fused(algo), x, w, b, t, scale(211), -100, red), grads(eager, x, w, b, t, scale(211), -100, red)
+    torch.testing.assert_close(got[0], ref[0], equal_nan=True)
+    for g, r in zip(got[1:], ref[1:]):
+        assert torch.equal(r, torch.zeros_like(r)) and torch.equal(g, r)
+
+
+def test_fast_upstream_grad_and_retain_graph():
+    """The fast op's saved scale grad is scaled by the upstream grad, out of place (twice the same)."""
+    x, w, b, t = inputs(37, 24, 211, torch.float32, True)
+    s = scale(211).requires_grad_()
+    loss = fused("fast")(x, w, b, t, s, -100, "mean", 0.1, 3.0)
+    (want,) = torch.autograd.grad(eager(x, w, b, t, s, -100, "mean", 0.1, 3.0) * -2.5, s)
+    for _ in range(2):
+        (got,) = torch.autograd.grad(loss * -2.5, s, retain_graph=True)
+        assert rel(got, want) < 1e-5
+
+
+def test_fast_op_outputs_and_opcheck():
+    """The fast op returns the scale's grad only when asked; opcheck on fwd, bwd and fast with a scale."""
+    x, w, b, t = inputs(37, 24, 211, torch.float32, True)
+    s = scale(211)
+    *_, ds = FAST(x, w, b, t, -100, "mean", 0.0, 0.0, 1.0, False, False, False, False, False, s, True)
+    s_ = s.clone().requires_grad_()
+    (ref,) = torch.autograd.grad(eager(x, w, b, t, s_), s_)
+    assert rel(ds, ref) < 1e-5
+    assert FAST(x, w, b, t, -100, "mean", 0.0, 0.0, 1.0, False, False, True, False, False, s, False)[4].numel() == 0
+    x, w, s = x.requires_grad_(), w.requires_grad_(), s.requires_grad_()
+    torch.library.opcheck(FAST, (x, w, b, t, -100, "sum", 0.1, 2.0, 1.0, False, False, True, True, True, s, True))
+    fwd, bwd = torch.ops.fxfuse.linear_cross_entropy_fwd, torch.ops.fxfuse.linear_cross_entropy_bwd
+    torch.library.opcheck(fwd, (x, w, b, t, -100, 0.1, 2.0, 1.0, False, False, s))
+    rows, lse = fwd(x, w, b, t, -100, 0.1, 2.0, 1.0, False, False, s)
+    torch.library.opcheck(bwd, (torch.rand_like(rows), x.detach(), w.detach(), b, t, lse.detach(), -100, 0.1, 2.0,
+                                1.0, False, False, True, True, True, s.detach(), True))
+
+
+def test_compiled_dynamic_shapes():
+    """aot_eager with dynamic shapes: one graph for two token counts, the scale's grad included."""
+    fn = torch.compile(fused("fast"), backend="aot_eager", dynamic=True, fullgraph=True)
+    for n in (13, 29):
+        x, w, b, t = inputs(n, 24, 211, torch.float32, True, seed=n)
+        for g, r in zip(grads(fn, x, w, b, t, scale(211)), grads(eager, x, w, b, t, scale(211))):
+            assert rel(g, r) < 1e-5
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_rejects_a_bad_scale(algo):
+    x, w, b, t = inputs(4, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"vocab_scale must be float32 \[16\]"):
+        fused(algo)(x, w, b, t, scale(15))
+    with pytest.raises(ValueError, match=r"vocab_scale must be float32 \[16\]"):
+        fused(algo)(x, w, b, t, scale(16).bfloat16())
+    with pytest.raises(ValueError, match="eager_rounding"):
+        OP(x.bfloat16(), w.bfloat16().requires_grad_(), None, t, -100, "mean", 0.0, 0.0, 1.0, algo, True, False,
+           scale(16))
