@@ -15,7 +15,7 @@ the kernels finish a tile's loads before its stores whenever an output shares an
 mutation.
 
 The packed backwards (``fxfuse::swiglu_packed_backward``: gate and up as halves or interleaved
-columns of one gate_up, Phi-3, GLM, gpt-oss) write d gate_up over gate_up under the same rule,
+columns of one gate_up, Phi-3, GLM, gpt-oss, Inkling 2) write d gate_up over gate_up under the same rule,
 through ``*_packed_backward_into`` (dup there need not depend on the up element it overwrites:
 the barrier is what orders them).
 
@@ -53,6 +53,7 @@ def _twins() -> dict:
         ops.clamped_swiglu_backward.default: (ops.clamped_swiglu_backward_into.default, 5),
         ops.swiglu_packed_backward.default: (ops.swiglu_packed_backward_into.default, None),
         ops.clamped_swiglu_packed_backward.default: (ops.clamped_swiglu_packed_backward_into.default, None),
+        ops.softcapped_swiglu_packed_backward.default: (ops.softcapped_swiglu_packed_backward_into.default, None),
     }
 
 

@@ -2,7 +2,8 @@
 
 Shapes: gate, up: [..., I] (same shape and dtype), viewed as [M, I] rows with any row and column
 strides, so the halves of Inkling's ``gate_up.chunk(2, -1)`` are read in place (_gated.py); out:
-contiguous [..., I] in gate's dtype. The backward writes new contiguous dgate and dup.
+contiguous [..., I] in gate's dtype. The backward writes new contiguous dgate and dup (or, for
+``fxfuse::softcapped_swiglu_packed`` in swiglu_packed.py, the two halves of one d gate_up).
 
 Forward (HF Inkling2SoftcappedSwiGLU, fp32 math as the model's ``.float()``; c = gate_cap,
 k = up_cap; one rounding at the store, as its ``.to(input_dtype)``):
@@ -152,6 +153,22 @@ def softcapped_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_
                           LIBDEVICE=gate.is_cuda)
 
 
+def softcapped_swiglu_backward_into(
+    grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float,
+    dgate: torch.Tensor, dup: torch.Tensor, need_dgate: bool, need_dup: bool,
+) -> None:
+    """Writes dgate and/or dup ([..., I] with one set of strides, see _gated.out_pair: the columns of
+    one d gate_up for fxfuse::softcapped_swiglu_packed); one not needed is left unwritten."""
+    _check_args(gate, up, gate_cap, up_cap)
+    if gate.numel() == 0 or not (need_dgate or need_dup):
+        return
+    if not _on_triton(gate):
+        ref = _softcapped_swiglu_backward_reference(grad_out, gate, up, gate_cap, up_cap, need_dgate, need_dup)
+        return copy_outputs((dgate, dup), ref, (need_dgate, need_dup))
+    launch_backward(_softcapped_swiglu_bwd_kernel, grad_out, gate, up, dgate, dup, need_dgate, need_dup,
+                    (gate_cap, up_cap), _MAX_TILE, LIBDEVICE=gate.is_cuda)
+
+
 def softcapped_swiglu_backward(
     grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float,
     need_dgate: bool, need_dup: bool,
@@ -160,14 +177,7 @@ def softcapped_swiglu_backward(
     _check_args(gate, up, gate_cap, up_cap)
     dgate = torch.empty(gate.shape if need_dgate else (0,), dtype=gate.dtype, device=gate.device)
     dup = torch.empty(gate.shape if need_dup else (0,), dtype=gate.dtype, device=gate.device)
-    if gate.numel() == 0 or not (need_dgate or need_dup):
-        return dgate, dup
-    if not _on_triton(gate):
-        ref = _softcapped_swiglu_backward_reference(grad_out, gate, up, gate_cap, up_cap, need_dgate, need_dup)
-        copy_outputs((dgate, dup), ref, (need_dgate, need_dup))
-        return dgate, dup
-    launch_backward(_softcapped_swiglu_bwd_kernel, grad_out, gate, up, dgate, dup, need_dgate, need_dup,
-                    (gate_cap, up_cap), _MAX_TILE, LIBDEVICE=gate.is_cuda)
+    softcapped_swiglu_backward_into(grad_out, gate, up, gate_cap, up_cap, dgate, dup, need_dgate, need_dup)
     return dgate, dup
 
 

@@ -1,14 +1,15 @@
 """Gated MLP on one packed gate_up tensor, gradient written whole:
-``torch.ops.fxfuse.swiglu_packed(gate_up, act, interleaved, up_first)`` and
-``torch.ops.fxfuse.clamped_swiglu_packed(gate_up, alpha, limit, interleaved, up_first)``.
+``torch.ops.fxfuse.swiglu_packed(gate_up, act, interleaved, up_first)``,
+``torch.ops.fxfuse.clamped_swiglu_packed(gate_up, alpha, limit, interleaved, up_first)`` and
+``torch.ops.fxfuse.softcapped_swiglu_packed(gate_up, gate_cap, up_cap, interleaved, up_first)``.
 
 Shapes: gate_up: [..., 2I]; out: contiguous [..., I]. gate and up are views of its last dim:
     interleaved=False:  gate_up[..., :I] and gate_up[..., I:]   (chunk(2, -1), split: Phi-3, GLM)
     interleaved=True:   gate_up[..., ::2] and gate_up[..., 1::2]  (gpt-oss)
 the first being gate unless up_first.
 
-The math is fxfuse::swiglu's and fxfuse::clamped_swiglu's (swiglu.py, clamped_swiglu.py): the same
-kernels read the views in place. Only the backward differs: it allocates d gate_up [..., 2I] and
+The math is fxfuse::swiglu's, fxfuse::clamped_swiglu's and fxfuse::softcapped_swiglu's (swiglu.py,
+clamped_swiglu.py, softcapped_swiglu.py): the same kernels read the views in place. Only the backward differs: it allocates d gate_up [..., 2I] and
 the backward kernel stores dgate and dup straight into its columns. The unpacked ops return dgate
 and dup as two tensors that autograd then scatters into gate_up's gradient (cat or two
 slice_backward + add): one more read and write of 2I per row, and dgate, dup and d gate_up alive
@@ -24,6 +25,7 @@ import torch
 
 from ._dispatch import register_autograd
 from .clamped_swiglu import _check_args as _check_clamped, clamped_swiglu, clamped_swiglu_backward_into
+from .softcapped_swiglu import _check_args as _check_softcapped, softcapped_swiglu, softcapped_swiglu_backward_into
 from .swiglu import _check_act, swiglu, swiglu_backward_into
 
 
@@ -61,6 +63,16 @@ _lib.define(
 _lib.define(
     "clamped_swiglu_packed_backward_into(Tensor grad_out, Tensor(a!) gate_up, float alpha, float limit, "
     "bool interleaved, bool up_first, bool round_act=False) -> ()"
+)
+_lib.define("softcapped_swiglu_packed(Tensor gate_up, float gate_cap, float up_cap, bool interleaved, bool up_first) "
+            "-> Tensor")
+_lib.define(
+    "softcapped_swiglu_packed_backward(Tensor grad_out, Tensor gate_up, float gate_cap, float up_cap, "
+    "bool interleaved, bool up_first) -> Tensor"
+)
+_lib.define(
+    "softcapped_swiglu_packed_backward_into(Tensor grad_out, Tensor(a!) gate_up, float gate_cap, float up_cap, "
+    "bool interleaved, bool up_first) -> ()"
 )
 
 
@@ -109,7 +121,33 @@ def clamped_swiglu_packed_backward_into(grad_out: torch.Tensor, gate_up: torch.T
     clamped_swiglu_backward_into(grad_out, gate, up, alpha, limit, gate, up, True, True, round_act)
 
 
+def softcapped_swiglu_packed(gate_up: torch.Tensor, gate_cap: float, up_cap: float, interleaved: bool,
+                             up_first: bool) -> torch.Tensor:
+    """Inkling 2's softcapped SwiGLU of gate_up's two halves; out: contiguous [..., I]."""
+    return softcapped_swiglu(*split_packed(gate_up, interleaved, up_first), gate_cap, up_cap)
+
+
+def softcapped_swiglu_packed_backward(grad_out: torch.Tensor, gate_up: torch.Tensor, gate_cap: float, up_cap: float,
+                                      interleaved: bool, up_first: bool) -> torch.Tensor:
+    """d gate_up [..., 2I], contiguous: dgate and dup written into its columns."""
+    grad = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+    gate, up = split_packed(gate_up, interleaved, up_first)
+    softcapped_swiglu_backward_into(grad_out, gate, up, gate_cap, up_cap, *split_packed(grad, interleaved, up_first),
+                                    True, True)
+    return grad
+
+
+def softcapped_swiglu_packed_backward_into(grad_out: torch.Tensor, gate_up: torch.Tensor, gate_cap: float,
+                                           up_cap: float, interleaved: bool, up_first: bool) -> None:
+    """d gate_up written over gate_up, as swiglu_packed_backward_into."""
+    gate, up = split_packed(gate_up, interleaved, up_first)
+    softcapped_swiglu_backward_into(grad_out, gate, up, gate_cap, up_cap, gate, up, True, True)
+
+
 for _key in ("CPU", "CUDA"):  # plain Library registration, as fxfuse::swiglu (host time per call)
+    _lib.impl("softcapped_swiglu_packed", softcapped_swiglu_packed, _key)
+    _lib.impl("softcapped_swiglu_packed_backward", softcapped_swiglu_packed_backward, _key)
+    _lib.impl("softcapped_swiglu_packed_backward_into", softcapped_swiglu_packed_backward_into, _key)
     _lib.impl("swiglu_packed", swiglu_packed, _key)
     _lib.impl("swiglu_packed_backward", swiglu_packed_backward, _key)
     _lib.impl("clamped_swiglu_packed", clamped_swiglu_packed, _key)
@@ -153,10 +191,28 @@ def _(grad_out, gate_up, alpha, limit, interleaved, up_first, round_act=False):
     _check_clamped(*split_packed(gate_up, interleaved, up_first), limit)
 
 
+@torch.library.register_fake("fxfuse::softcapped_swiglu_packed", lib=_lib)
+def _(gate_up, gate_cap, up_cap, interleaved, up_first):
+    _check_softcapped(*split_packed(gate_up, interleaved, up_first), gate_cap, up_cap)
+    return gate_up.new_empty(_half_shape(gate_up))
+
+
+@torch.library.register_fake("fxfuse::softcapped_swiglu_packed_backward", lib=_lib)
+def _(grad_out, gate_up, gate_cap, up_cap, interleaved, up_first):
+    return gate_up.new_empty(gate_up.shape)
+
+
+@torch.library.register_fake("fxfuse::softcapped_swiglu_packed_backward_into", lib=_lib)
+def _(grad_out, gate_up, gate_cap, up_cap, interleaved, up_first):
+    _check_softcapped(*split_packed(gate_up, interleaved, up_first), gate_cap, up_cap)
+
+
 _SWIGLU = torch.ops.fxfuse.swiglu_packed.default
 _SWIGLU_BACKWARD = torch.ops.fxfuse.swiglu_packed_backward.default
 _CLAMPED = torch.ops.fxfuse.clamped_swiglu_packed.default
 _CLAMPED_BACKWARD = torch.ops.fxfuse.clamped_swiglu_packed_backward.default
+_SOFTCAPPED = torch.ops.fxfuse.softcapped_swiglu_packed.default
+_SOFTCAPPED_BACKWARD = torch.ops.fxfuse.softcapped_swiglu_packed_backward.default
 
 
 class _PackedFunction(torch.autograd.Function):
@@ -187,4 +243,9 @@ class _ClampedPackedFunction(_PackedFunction):
 
 
 register_autograd(_lib, "swiglu_packed", _SWIGLU, _SwiGLUPackedFunction)
+class _SoftcappedPackedFunction(_PackedFunction):
+    forward_op, backward_op = _SOFTCAPPED, _SOFTCAPPED_BACKWARD
+
+
 register_autograd(_lib, "clamped_swiglu_packed", _CLAMPED, _ClampedPackedFunction)
+register_autograd(_lib, "softcapped_swiglu_packed", _SOFTCAPPED, _SoftcappedPackedFunction)

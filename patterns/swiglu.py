@@ -119,12 +119,14 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
     import fxfuse.kernels.swiglu_packed  # noqa: F401  registers every gated-MLP op (imports the other two)
 
     ops = torch.ops.fxfuse
+    packed = packed_source(m.inputs["gate"], m.inputs["up"])
     if "gate_cap" in m.scalars:  # one rounding at the store: nothing for numerics="eager" to reproduce
         caps = (float(m.scalars["gate_cap"]), float(m.scalars["up_cap"]))
+        if packed:
+            return graph.call_function(ops.softcapped_swiglu_packed.default, (packed[0], *caps, *packed[1:]))
         return graph.call_function(ops.softcapped_swiglu.default, (m.inputs["gate"], m.inputs["up"], *caps))
     clamped = "limit" in m.scalars
     act = (float(m.scalars["alpha"]), float(m.scalars["limit"])) if clamped else (m.consts["act"],)
-    packed = packed_source(m.inputs["gate"], m.inputs["up"])
     if packed:  # (gate_up, interleaved, up_first)
         op = ops.clamped_swiglu_packed if clamped else ops.swiglu_packed
         return graph.call_function(op.default, (packed[0], *act, *packed[1:], opts.eager_rounding))

@@ -81,7 +81,7 @@ def test_backward_into_its_own_inputs(act, shape):
     assert torch.equal(gate2, dgate) and torch.equal(dout2, dup)
 
 
-@pytest.mark.parametrize("act", ("silu", "gelu", "clamped"))
+@pytest.mark.parametrize("act", ("silu", "gelu", "clamped", "softcapped"))
 @pytest.mark.parametrize("layout", [(False, False), (True, False), (True, True)])  # interleaved, up_first
 @pytest.mark.parametrize("shape", [(1, 14), (199, 2060), (4096, 11008)])
 def test_packed_backward_into_its_gate_up(act, layout, shape):
@@ -97,6 +97,9 @@ def test_packed_backward_into_its_gate_up(act, layout, shape):
     if act == "clamped":
         expected = ops.clamped_swiglu_packed_backward(dout, gate_up, 1.702, 7.0, *layout)
         ops.clamped_swiglu_packed_backward_into(dout, gate_up, 1.702, 7.0, *layout)
+    elif act == "softcapped":
+        expected = ops.softcapped_swiglu_packed_backward(dout, gate_up, 3.0, 5.0, *layout)
+        ops.softcapped_swiglu_packed_backward_into(dout, gate_up, 3.0, 5.0, *layout)
     else:
         expected = ops.swiglu_packed_backward(dout, gate_up, act, *layout)
         ops.swiglu_packed_backward_into(dout, gate_up, act, *layout)
@@ -254,20 +257,24 @@ def test_rms_norm_wide_rows(dtype, rows, d):
         assert err(a) <= bound, (name, err(a), err(b))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["halves", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 7), (199, 1030), (4096, 1536)])
-def test_softcapped_swiglu_on_cuda(dtype, shape):
+def test_softcapped_swiglu_on_cuda(dtype, shape, packed):
     """Inkling 2's softcapped SwiGLU compiled for the GPU (libdevice's tanh and expf), chunked halves
-    of one gate_up: fp32 within 1e-5 of an fp64 run, bf16 no further from it than 2x eager's own."""
-    import fxfuse.kernels.softcapped_swiglu  # noqa: F401
+    of one gate_up (or the packed op on gate_up itself): fp32 within 1e-5 of an fp64 run, bf16 no
+    further from it than 2x eager's own."""
+    import fxfuse.kernels.swiglu_packed  # noqa: F401  (registers the softcapped ops too)
 
-    def eager(gate, up):
-        d = gate.dtype
-        gate, up = (t.float() if d != torch.float64 else t for t in (gate, up))
+    def eager(gate_up):
+        d = gate_up.dtype
+        gate, up = (t.float() if d != torch.float64 else t for t in gate_up.chunk(2, -1))
         return (torch.tanh(gate / 20.0) * 20.0 * torch.sigmoid(gate) * (torch.tanh(up / 30.0) * 30.0)).to(d)
 
-    def op(gate, up):
-        return torch.ops.fxfuse.softcapped_swiglu(gate, up, 20.0, 30.0)
+    def op(gate_up):
+        if packed:
+            return torch.ops.fxfuse.softcapped_swiglu_packed(gate_up, 20.0, 30.0, False, False)
+        return torch.ops.fxfuse.softcapped_swiglu(*gate_up.chunk(2, -1), 20.0, 30.0)
 
     g = torch.Generator(device="cuda").manual_seed(3)
     gate_up = torch.randn(*shape[:-1], 2 * shape[-1], device="cuda", generator=g) * 12
@@ -275,7 +282,7 @@ def test_softcapped_swiglu_on_cuda(dtype, shape):
 
     def run(fn, dt):
         x = gate_up.to(dt, copy=True).requires_grad_()  # a fresh leaf per run, even in gate_up's dtype
-        out = fn(*x.chunk(2, -1))
+        out = fn(x)
         out.backward(dout.to(dt))
         return out.detach(), x.grad
 

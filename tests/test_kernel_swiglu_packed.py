@@ -1,4 +1,4 @@
-"""CPU tests of fxfuse.swiglu_packed / clamped_swiglu_packed (gate and up as the halves of one
+"""CPU tests of fxfuse.swiglu_packed / clamped_swiglu_packed / softcapped_swiglu_packed (gate and up as the halves of one
 gate_up tensor, d gate_up written whole): the Triton kernels under the interpreter and the PyTorch
 reference path, against the unpacked ops on the same views and against eager."""
 import pytest
@@ -10,24 +10,33 @@ from fxfuse.kernels.swiglu_packed import split_packed
 pytestmark = pytest.mark.interpreter  # the Triton kernels under the interpreter on CPU (tests/conftest.py)
 
 ALPHA, LIMIT = 1.702, 7.0
+GATE_CAP, UP_CAP = 3.0, 5.0  # inputs ~ N(0, 16): both softcaps bite
 SHAPES = [(1, 2), (199, 66), (3, 5, 260), (2, 2200)]  # I = 1, odd rows, 3-D, I > BLOCK_N
 LAYOUTS = [(False, False), (False, True), (True, False), (True, True)]  # (interleaved, up_first)
-ACTS = ["silu", "gelu_tanh", "relu2", "clamped"]
+ACTS = ["silu", "gelu_tanh", "relu2", "clamped", "softcapped"]
 
 
 def packed(gate_up, act, interleaved, up_first, round_act=False):
+    if act == "softcapped":  # one rounding at the store: no round_act
+        return torch.ops.fxfuse.softcapped_swiglu_packed(gate_up, GATE_CAP, UP_CAP, interleaved, up_first)
     if act == "clamped":
         return torch.ops.fxfuse.clamped_swiglu_packed(gate_up, ALPHA, LIMIT, interleaved, up_first, round_act)
     return torch.ops.fxfuse.swiglu_packed(gate_up, act, interleaved, up_first, round_act)
 
 
 def unpacked(gate, up, act, round_act=False):
+    if act == "softcapped":
+        return torch.ops.fxfuse.softcapped_swiglu(gate, up, GATE_CAP, UP_CAP)
     if act == "clamped":
         return torch.ops.fxfuse.clamped_swiglu(gate, up, ALPHA, LIMIT, round_act)
     return torch.ops.fxfuse.swiglu(gate, up, act, round_act)
 
 
 def eager(gate, up, act):
+    if act == "softcapped":  # HF Inkling2SoftcappedSwiGLU, fp32
+        g, u = gate.float(), up.float()
+        out = GATE_CAP * torch.tanh(g / GATE_CAP) * torch.sigmoid(g) * (UP_CAP * torch.tanh(u / UP_CAP))
+        return out.to(gate.dtype)
     if act == "clamped":  # HF GptOssExperts._apply_gate
         gate, up = gate.clamp(max=LIMIT), up.clamp(-LIMIT, LIMIT)
         return (up + 1) * gate * torch.sigmoid(gate * ALPHA)
@@ -95,6 +104,8 @@ def test_odd_last_dim_is_an_error():
         torch.ops.fxfuse.swiglu_packed(torch.randn(3, 7), "silu", False, False)
     with pytest.raises(ValueError, match="even last dim"):
         torch.ops.fxfuse.clamped_swiglu_packed(torch.randn(3, 7), ALPHA, LIMIT, True, False)
+    with pytest.raises(ValueError, match="even last dim"):
+        torch.ops.fxfuse.softcapped_swiglu_packed(torch.randn(3, 7), GATE_CAP, UP_CAP, False, False)
 
 
 def test_opcheck():
@@ -107,9 +118,14 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.fxfuse.swiglu_packed_backward, (d, gate_up.detach(), "gelu_tanh", True, False))
     torch.library.opcheck(torch.ops.fxfuse.clamped_swiglu_packed_backward,
                           (d, gate_up.detach(), ALPHA, LIMIT, False, True))
+    for interleaved, up_first in LAYOUTS:
+        torch.library.opcheck(torch.ops.fxfuse.softcapped_swiglu_packed, (gate_up, GATE_CAP, UP_CAP, interleaved,
+                                                                          up_first))
+    torch.library.opcheck(torch.ops.fxfuse.softcapped_swiglu_packed_backward,
+                          (d, gate_up.detach(), GATE_CAP, UP_CAP, True, True))
 
 
-@pytest.mark.parametrize("act", ["silu", "clamped"])
+@pytest.mark.parametrize("act", ["silu", "clamped", "softcapped"])
 def test_compile_dynamic_two_sizes(act):
     """Compile axis: aot_eager with dynamic shapes, two sizes, parity with eager in fp32."""
     torch._dynamo.reset()

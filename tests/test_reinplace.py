@@ -53,16 +53,20 @@ def test_into_over_its_inputs_matches_the_functional_op(kind, shape, dtype, need
 def _packed_backward(kind, dout, gate_up, layout):
     if kind == "swiglu":
         return OPS.swiglu_packed_backward(dout, gate_up, "silu", *layout)
+    if kind == "softcapped_swiglu":
+        return OPS.softcapped_swiglu_packed_backward(dout, gate_up, 3.0, 5.0, *layout)
     return OPS.clamped_swiglu_packed_backward(dout, gate_up, 1.702, 7.0, *layout)
 
 
 def _packed_backward_into(kind, dout, gate_up, layout):
     if kind == "swiglu":
         return OPS.swiglu_packed_backward_into(dout, gate_up, "silu", *layout)
+    if kind == "softcapped_swiglu":
+        return OPS.softcapped_swiglu_packed_backward_into(dout, gate_up, 3.0, 5.0, *layout)
     return OPS.clamped_swiglu_packed_backward_into(dout, gate_up, 1.702, 7.0, *layout)
 
 
-@pytest.mark.parametrize("kind", ["swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("kind", ["swiglu", "clamped_swiglu", "softcapped_swiglu"])
 @pytest.mark.parametrize("shape", [(1, 14), (199, 66), (3, 5, 260)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", [(False, False), (False, True), (True, False), (True, True)])  # interleaved, up_first
