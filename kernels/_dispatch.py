@@ -1,4 +1,5 @@
 """Where an op's work runs: Triton (CUDA, or CPU under the interpreter) or the PyTorch reference."""
+import functools
 import os
 
 import torch
@@ -15,6 +16,13 @@ def use_triton(t: torch.Tensor) -> bool:
     if t.device.type == "cuda":
         return True
     return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter runs programs one after another: a few suffice to test the loop
 
 
 def no_double_backward(op, outputs: tuple) -> tuple:

@@ -11,6 +11,8 @@ import functools
 import torch
 import triton
 
+from ._dispatch import num_sms
+
 
 def block_n(d: int) -> int:
     """Whole row in one register tile: a power of two >= D, at least one 16-byte vector."""
@@ -146,13 +148,6 @@ def dw_block_p(p: int, bd: int) -> int:
     """dw reduction: all P partials of a column block in one [BLOCK_P, BLOCK_D] load while that tile
     stays within 8K fp32 elements (64 per thread at 4 warps); larger P loops."""
     return max(1, min(triton.next_power_of_2(p), 8192 // bd))
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter runs programs one after another: a few suffice to test the loop
 
 
 @functools.lru_cache(maxsize=1024)

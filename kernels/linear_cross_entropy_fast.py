@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from . import _lce_chunks as _chunks
-from ._dispatch import no_double_backward, use_triton
+from ._dispatch import no_double_backward, num_sms, use_triton
 from ._round import rne_by_bits, round_code
 from ._lce_chunks import _block, _num_warps, _rows_per_program, _view
 from ._lce_logits import (_dlogits, _dlogits_reference, _dlogits_vscaled, _dlogits_vscaled_reference, _logits,
@@ -121,20 +121,23 @@ def _lce_fast_cols_kernel(
     lse_ptr,  # [R] fp32 row logsumexps of the pass (_lce_fast_rows_kernel)
     w_ptr,  # [1] fp32 per-row weight of the reduction
     vs_ptr,  # [V] fp32 per-vocabulary logit scale
-    ds_ptr,  # [V] fp32 in/out: the scale's grad, summed over the passes (each column by one program)
-    n0, R, V, stride_z, ignore_index, scale, softcap, on_target, off_target,
+    part_ptr,  # [G, V] fp32 out: the scale's grad summed over each of the G row groups' rows
+    n0, R, V, rows_per_group, stride_z, ignore_index, scale, softcap, on_target, off_target,
     SOFTCAP: tl.constexpr, ROUND_OUT: tl.constexpr, RNE_BY_BITS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Sweep 2 of a pass with a per-vocabulary scale, by column tiles: dzr over the rows, and the
-    scale's grad as a column sum in registers (one program per column tile: deterministic)."""
+    """Sweep 2 of a pass with a per-vocabulary scale, by [row group, column tile]: dzr over the
+    group's rows, and the scale's grad as their column sums in registers (each partial has one
+    program; the host sums the G partials: deterministic)."""
     cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # [1, BLOCK_V]
     c_ok = cols < V
+    group = tl.program_id(1)
+    r_end = tl.minimum(R, (group + 1) * rows_per_group)
     w_all = tl.load(w_ptr)
     dvs = tl.zeros([BLOCK_V], tl.float32)
-    for r0 in range(0, R, BLOCK_R):
+    for r0 in range(group * rows_per_group, r_end, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)[:, None]  # [BLOCK_R, 1]
-        r_ok = r < R
+        r_ok = r < r_end
         mask = r_ok & c_ok
         t = tl.load(target_ptr + n0 + r, mask=r_ok, other=ignore_index)
         w = tl.where(t == ignore_index, 0.0, w_all)
@@ -146,7 +149,7 @@ def _lce_fast_cols_kernel(
         tl.store(z_ptr + r.to(tl.int64) * stride_z + cols, dzr.to(z_ptr.dtype.element_ty), mask=mask)
         dvs += tl.sum(tl.where(mask, terms, 0.0), axis=0)
     c = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
-    tl.store(ds_ptr + c, tl.load(ds_ptr + c, mask=c < V) + dvs, mask=c < V)
+    tl.store(part_ptr + group.to(tl.int64) * V + c, dvs, mask=c < V)
 
 
 def _fast_rows_per_pass(n: int, v: int, element_size: int) -> int:
@@ -165,11 +168,20 @@ def _fast_tile(v: int) -> int:
 
 
 def _cols_tiles(rows: int, v: int) -> tuple[int, int]:
-    # (BLOCK_R, BLOCK_V) of the column sweep: 16 x 256 (512 B contiguous per row, 4096 elements =
-    # 8 warps x 16 per step); tests force small tiles so that both of its loops run.
+    # (BLOCK_R, BLOCK_V) of the column sweep: 32 x 512, the fastest of seven tiles on an H100 at
+    # [1024, 128256] bf16 (bench/probe_lce_vscale.py); tests force small tiles so both loops run.
     if _chunks._CHUNK_OVERRIDE is not None:
         return 4, _block(_chunks._CHUNK_OVERRIDE[1])
-    return min(triton.next_power_of_2(rows), 16), min(triton.next_power_of_2(v), 256)
+    return min(triton.next_power_of_2(rows), 32), min(triton.next_power_of_2(v), 512)
+
+
+def _cols_rows_per_group(rows: int, block_r: int, col_tiles: int, device: torch.device) -> int:
+    # Rows per program of the column sweep (a multiple of BLOCK_R): about 8 programs per SM, as
+    # one column tile per program leaves an H100 half idle at 128256 / 512 = 251 programs.
+    groups = max(1, min(triton.cdiv(rows, block_r), triton.cdiv(8 * num_sms(device), col_tiles)))
+    if _chunks._CHUNK_OVERRIDE is not None:  # tests: two groups, so the partials are summed
+        groups = min(2, triton.cdiv(rows, block_r))
+    return triton.cdiv(triton.cdiv(rows, groups), block_r) * block_r
 
 
 def _fast_rows(z, target, loss_rows, w, vs, ds, n0, ignore_index, smoothing, softcap, scale, rounding, round_ops,
@@ -199,12 +211,16 @@ def _fast_rows(z, target, loss_rows, w, vs, ds, n0, ignore_index, smoothing, sof
     )
     if vs is not None:
         block_r, block_v = _cols_tiles(rows, vocab)
-        _lce_fast_cols_kernel[(triton.cdiv(vocab, block_v),)](
-            z, target, lse, w, vs, ds, n0, rows, vocab, z.stride(0), ignore_index, scale, softcap,
+        col_tiles = triton.cdiv(vocab, block_v)
+        per_group = _cols_rows_per_group(rows, block_r, col_tiles, z.device)
+        part = torch.empty(triton.cdiv(rows, per_group), vocab, device=z.device, dtype=torch.float32)
+        _lce_fast_cols_kernel[(col_tiles, part.shape[0])](
+            z, target, lse, w, vs, part, n0, rows, vocab, per_group, z.stride(0), ignore_index, scale, softcap,
             1.0 - smoothing, smoothing / vocab,
             SOFTCAP=softcap > 0, ROUND_OUT=round_code(z.dtype), RNE_BY_BITS=rne_by_bits(z.device), BLOCK_R=block_r,
             BLOCK_V=block_v, num_warps=_num_warps(block_r * block_v),
         )
+        ds += part.sum(0)
 
 
 @torch.library.custom_op("fxfuse::linear_cross_entropy_fast", mutates_args=())
