@@ -11,8 +11,9 @@ up as the halves of one [M, 2I] tensor (Phi-3), --interleaved as gpt-oss's colum
 layouts the gradient is that of the [M, 2I] tensor, and fxfuse runs the op its backend emits there
 (fxfuse::swiglu_packed / clamped_swiglu_packed: d gate_up written by the kernel, no scatter of dg
 and du into it). --round-act: fxfuse rounds as under the backend's default numerics="eager".
---act softcapped_swiglu is Inkling 2's (gate cap 4, up cap 25, fp32 math as its ``.float()``); its op
-reads chunked halves in place and writes separate dgate and dup, as the backend emits it.
+--act softcapped_swiglu is Inkling 2's (gate cap 4, up cap 25, fp32 math as its ``.float()``); on a
+packed layout fxfuse runs fxfuse::softcapped_swiglu_packed, as the backend emits it since the
+thirty-fourth session (before: the unpacked op on the halves, dgate and dup concatenated).
 
 Each case times ``out = act(g) * u`` and its backward (``torch.autograd.grad``, so no gradient
 accumulation traffic) and reports GB/s from ``swiglu_bytes`` against the measured copy ceiling.
@@ -85,12 +86,10 @@ def _fxfuse_fn(act: str, layout: str, round_act: bool):
 
     ops = torch.ops.fxfuse
     if act == "softcapped_swiglu":
-        import fxfuse.kernels.softcapped_swiglu  # noqa: F401
-
         caps = INKLING_GATE_CAP, INKLING_UP_CAP
         if layout == "separate":
             return lambda g, u: ops.softcapped_swiglu(g, u, *caps)
-        return lambda gu: ops.softcapped_swiglu(*_halves(gu, layout), *caps)
+        return lambda gu: ops.softcapped_swiglu_packed(gu, *caps, layout == "interleaved", False)
     if layout == "separate":
         return lambda g, u: ops.swiglu(g, u, act, round_act)
     interleaved = layout == "interleaved"
