@@ -261,7 +261,7 @@ def test_rms_norm_wide_rows(dtype, rows, d):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 7), (199, 1030), (4096, 1536)])
 def test_softcapped_swiglu_on_cuda(dtype, shape, packed):
-    """Inkling 2's softcapped SwiGLU compiled for the GPU (libdevice's tanh and expf), chunked halves
+    """Inkling 2's softcapped SwiGLU compiled for the GPU (exp-based tanh and sigmoid), chunked halves
     of one gate_up (or the packed op on gate_up itself): fp32 within 1e-5 of an fp64 run, bf16 no
     further from it than 2x eager's own."""
     import fxfuse.kernels.swiglu_packed  # noqa: F401  (registers the softcapped ops too)
