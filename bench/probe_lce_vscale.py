@@ -1,9 +1,10 @@
 """Probe: the vocabulary-scaled loss head's extra work on the GPU, per pass / per chunk.
 
-fast: one pass's [R, V] logits block through the row kernel's two sweeps (no scale) against the
-row kernel's sweep 1 plus the column kernel (scale; dzr in place and the scale's grad in G row-group
-partials, summed), over column kernel tiles BLOCK_R x BLOCK_V x warps x G (G 0: the shipped choice). lean: the column sum of one [R, C] fp32 chunk of scale-grad
-terms, torch.sum(0) against a cuBLAS matrix-vector product.
+fast: one pass's [R, V] logits block through the row kernel's two sweeps (no scale) against the row
+kernel's sweep 1 plus the column kernel (scale; dzr in place and the scale's grad in G row-group
+partials, summed), over column kernel tiles BLOCK_R x BLOCK_V x warps x G (G 0: the shipped choice).
+lean: the column sum of one [R, C] fp32 chunk of scale-grad terms, torch.sum(0) against a cuBLAS
+matrix-vector product.
 
     python3 bench/probe_lce_vscale.py [--rows 1024] [--vocab 128256] [--tiles 16x256x8x0 32x512x8x1 ...]
 """

@@ -5,9 +5,9 @@
         need_db, vocab_scale=None, need_ds=False) -> (loss, dx, dweight, dbias, dvocab_scale)
 
 loss is the op's 0-dim fp32 loss; dx, dweight, dbias, dvocab_scale are its gradients for an
-upstream gradient of 1 (an empty tensor each where not needed). fxfuse::linear_cross_entropy picks this op when a
-gradient is needed (algorithm "fast"); an eval / no_grad forward takes the lean lse-only
-forward instead and never forms a gradient. Math as in kernels/linear_cross_entropy.py with
+upstream gradient of 1 (an empty tensor each where not needed). fxfuse::linear_cross_entropy
+picks this op when a gradient is needed (algorithm "fast"); an eval / no_grad forward takes the
+lean lse-only forward instead and never forms a gradient. Math as in kernels/linear_cross_entropy.py with
     w_n = 1 ("sum") or 1 / count ("mean"), 0 on ignored rows, count = sum(target != ignore_index),
 count computed on the device (no host sync: an all-ignored "mean" batch gives w = inf on no row).
 
@@ -17,9 +17,10 @@ Forward, per pass of R tokens (rows n0:n0+R):
     math on the upcast zb:
         sweep 1: online max / sum-exp (and logit sum for label smoothing) -> lse_n, row_n
         sweep 2: dzr_n (grad of the raw x @ W.T + b), rounded to the input dtype, over zb in place
-    with a vocab_scale, sweep 2 runs instead as a column kernel (one program per column tile, its
-    rows in a loop, the row kernel's lse read back): dzr in place, and the scale's grad summed over
-    the pass's rows in fp32 registers, added to the [V] fp32 dvocab_scale (deterministic)
+    with a vocab_scale, sweep 2 runs instead as a column kernel (one program per row group of a
+    column tile, its rows in a loop, the row kernel's lse read back): dzr in place, and the scale's
+    grad summed over the group's rows in fp32 registers; the host adds the groups' [V] partials to
+    dvocab_scale (deterministic)
     dx[pass] = dzr @ W (matmul 2, into dx's rows), dW (+)= dzr.T @ x_pass (matmul 3: the first pass
     writes, later ones addmm with beta=1: dW is rounded to the weight dtype once per pass), and
     db += dzr.sum(0) in fp32 (cast to the bias dtype at the end).
@@ -168,8 +169,8 @@ def _fast_tile(v: int) -> int:
 
 
 def _cols_tiles(rows: int, v: int) -> tuple[int, int]:
-    # (BLOCK_R, BLOCK_V) of the column sweep: 32 x 512, the fastest of seven tiles on an H100 at
-    # [1024, 128256] bf16 (bench/probe_lce_vscale.py); tests force small tiles so both loops run.
+    # (BLOCK_R, BLOCK_V) of the column sweep: 32 x 512, the fastest of the eleven tiles probed on an
+    # H100 at [1024, 128256] bf16 (bench/probe_lce_vscale.py); tests force small tiles (both loops run).
     if _chunks._CHUNK_OVERRIDE is not None:
         return 4, _block(_chunks._CHUNK_OVERRIDE[1])
     return min(triton.next_power_of_2(rows), 32), min(triton.next_power_of_2(v), 512)

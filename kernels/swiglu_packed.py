@@ -9,11 +9,12 @@ Shapes: gate_up: [..., 2I]; out: contiguous [..., I]. gate and up are views of i
 the first being gate unless up_first.
 
 The math is fxfuse::swiglu's, fxfuse::clamped_swiglu's and fxfuse::softcapped_swiglu's (swiglu.py,
-clamped_swiglu.py, softcapped_swiglu.py): the same kernels read the views in place. Only the backward differs: it allocates d gate_up [..., 2I] and
-the backward kernel stores dgate and dup straight into its columns. The unpacked ops return dgate
-and dup as two tensors that autograd then scatters into gate_up's gradient (cat or two
-slice_backward + add): one more read and write of 2I per row, and dgate, dup and d gate_up alive
-at once. Only gate_up is saved for backward, as the unpacked ops save its two views.
+clamped_swiglu.py, softcapped_swiglu.py): the same kernels read the views in place. Only the
+backward differs: it allocates d gate_up [..., 2I] and the backward kernel stores dgate and dup
+straight into its columns. The unpacked ops return dgate and dup as two tensors that autograd then
+scatters into gate_up's gradient (cat or two slice_backward + add): one more read and write of 2I
+per row, and dgate, dup and d gate_up alive at once. Only gate_up is saved for backward, as the
+unpacked ops save its two views.
 
 The ``*_packed_backward_into`` twins take the functional backward's arguments and write d gate_up
 over gate_up itself (fxfuse.reinplace, when nothing reads gate_up afterwards: under activation

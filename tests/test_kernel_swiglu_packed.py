@@ -1,6 +1,6 @@
-"""CPU tests of fxfuse.swiglu_packed / clamped_swiglu_packed / softcapped_swiglu_packed (gate and up as the halves of one
-gate_up tensor, d gate_up written whole): the Triton kernels under the interpreter and the PyTorch
-reference path, against the unpacked ops on the same views and against eager."""
+"""CPU tests of fxfuse.swiglu_packed / clamped_swiglu_packed / softcapped_swiglu_packed (gate and up as
+the halves of one gate_up tensor, d gate_up written whole): the Triton kernels under the interpreter
+and the PyTorch reference path, against the unpacked ops on the same views and against eager."""
 import pytest
 import torch
 import torch.nn.functional as F
