@@ -146,11 +146,11 @@ def test_pass_places_only_over_dead_fresh_buffers(body, placed):
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-@pytest.mark.parametrize("kind", ["swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("kind", ["swiglu", "clamped_swiglu", "softcapped_swiglu"])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("read_after", [False, True])
 def test_pass_places_packed_gradient_over_a_dead_gate_up(kind, interleaved, read_after):
-    """A packed backward (Phi-3's halves, gpt-oss's interleaved columns) on a gate_up recomputed in
+    """A packed backward (Phi-3's halves, gpt-oss's interleaved columns, Inkling 2's) on a gate_up recomputed in
     the graph: d gate_up goes over it, unless gate_up is read afterwards."""
     def f(x, wg, wu, wd, dy):
         w = torch.cat([wg, wu])  # [2I, H]
@@ -203,10 +203,11 @@ def test_llama_inductor_places_gradients_with_parity(checkpointing, placed):
 
 
 @pytest.mark.hf_checkpointing
-@pytest.mark.parametrize("model_type", ["phi3", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["phi3", "gpt_oss", "inkling2_text"])
 def test_packed_models_place_d_gate_up_under_checkpointing(model_type):
-    """Phi-3 (halves, SiLU) and gpt-oss (interleaved, clamped): each checkpointed layer's d gate_up
-    is written over its recomputed gate_up; eager's loss and every gradient kept."""
+    """Phi-3 (halves, SiLU), gpt-oss (interleaved, clamped) and Inkling 2 (halves, softcapped): each
+    checkpointed layer's d gate_up is written over its recomputed gate_up; eager's loss and every
+    gradient kept."""
     n, loss_err, grad_err = _compiled_llama(True, {}, model_type)
     assert n == 2 and loss_err < 1e-5 and grad_err < 1e-5
 
