@@ -202,7 +202,7 @@ def _fast_rows(z, target, loss_rows, w, vs, ds, n0, ignore_index, smoothing, sof
         return
     block = _fast_tile(vocab)
     block_n = _rows_per_program(rows, block, z.device)
-    lse = torch.empty(rows if vs is not None else 0, device=z.device, dtype=torch.float32)
+    lse = torch.empty(rows, device=z.device, dtype=torch.float32) if vs is not None else None
     _lce_fast_rows_kernel[(triton.cdiv(rows, block_n),)](
         z, target, loss_rows, w, vs if vs is not None else w, lse if vs is not None else w, n0, rows, vocab,
         z.stride(0), ignore_index, scale, softcap, 1.0 - smoothing, smoothing / vocab, smoothing,

@@ -83,20 +83,27 @@ def swiglu_packed(gate_up: torch.Tensor, act: str, interleaved: bool, up_first: 
     return swiglu(*split_packed(gate_up, interleaved, up_first), act, round_act)
 
 
+def _write_grad(into, grad_out: torch.Tensor, gate_up: torch.Tensor, grad: torch.Tensor, interleaved: bool,
+                up_first: bool, args: tuple, tail: tuple = ()) -> None:
+    """An unpacked op's backward ``into(grad_out, gate, up, *args, dgate, dup, True, True, *tail)``
+    with gate, up gate_up's halves and dgate, dup grad's: d gate_up written into grad's columns
+    (grad may be gate_up itself: each program reads its tile of gate and up before it stores)."""
+    into(grad_out, *split_packed(gate_up, interleaved, up_first), *args, *split_packed(grad, interleaved, up_first),
+         True, True, *tail)
+
+
 def swiglu_packed_backward(grad_out: torch.Tensor, gate_up: torch.Tensor, act: str, interleaved: bool,
                            up_first: bool, round_act: bool = False) -> torch.Tensor:
     """d gate_up [..., 2I], contiguous: dgate and dup written into its columns."""
     grad = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
-    gate, up = split_packed(gate_up, interleaved, up_first)
-    swiglu_backward_into(grad_out, gate, up, act, *split_packed(grad, interleaved, up_first), True, True, round_act)
+    _write_grad(swiglu_backward_into, grad_out, gate_up, grad, interleaved, up_first, (act,), (round_act,))
     return grad
 
 
 def swiglu_packed_backward_into(grad_out: torch.Tensor, gate_up: torch.Tensor, act: str, interleaved: bool,
                                 up_first: bool, round_act: bool = False) -> None:
-    """d gate_up written over gate_up: each program reads its tile of gate and up before it stores."""
-    gate, up = split_packed(gate_up, interleaved, up_first)
-    swiglu_backward_into(grad_out, gate, up, act, gate, up, True, True, round_act)
+    """d gate_up written over gate_up."""
+    _write_grad(swiglu_backward_into, grad_out, gate_up, gate_up, interleaved, up_first, (act,), (round_act,))
 
 
 def clamped_swiglu_packed(gate_up: torch.Tensor, alpha: float, limit: float, interleaved: bool, up_first: bool,
@@ -109,17 +116,16 @@ def clamped_swiglu_packed_backward(grad_out: torch.Tensor, gate_up: torch.Tensor
                                    interleaved: bool, up_first: bool, round_act: bool = False) -> torch.Tensor:
     """d gate_up [..., 2I], contiguous: dgate and dup written into its columns."""
     grad = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
-    gate, up = split_packed(gate_up, interleaved, up_first)
-    clamped_swiglu_backward_into(grad_out, gate, up, alpha, limit, *split_packed(grad, interleaved, up_first),
-                                 True, True, round_act)
+    _write_grad(clamped_swiglu_backward_into, grad_out, gate_up, grad, interleaved, up_first, (alpha, limit),
+                (round_act,))
     return grad
 
 
 def clamped_swiglu_packed_backward_into(grad_out: torch.Tensor, gate_up: torch.Tensor, alpha: float, limit: float,
                                         interleaved: bool, up_first: bool, round_act: bool = False) -> None:
-    """d gate_up written over gate_up, as swiglu_packed_backward_into."""
-    gate, up = split_packed(gate_up, interleaved, up_first)
-    clamped_swiglu_backward_into(grad_out, gate, up, alpha, limit, gate, up, True, True, round_act)
+    """d gate_up written over gate_up."""
+    _write_grad(clamped_swiglu_backward_into, grad_out, gate_up, gate_up, interleaved, up_first, (alpha, limit),
+                (round_act,))
 
 
 def softcapped_swiglu_packed(gate_up: torch.Tensor, gate_cap: float, up_cap: float, interleaved: bool,
@@ -132,17 +138,14 @@ def softcapped_swiglu_packed_backward(grad_out: torch.Tensor, gate_up: torch.Ten
                                       interleaved: bool, up_first: bool) -> torch.Tensor:
     """d gate_up [..., 2I], contiguous: dgate and dup written into its columns."""
     grad = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
-    gate, up = split_packed(gate_up, interleaved, up_first)
-    softcapped_swiglu_backward_into(grad_out, gate, up, gate_cap, up_cap, *split_packed(grad, interleaved, up_first),
-                                    True, True)
+    _write_grad(softcapped_swiglu_backward_into, grad_out, gate_up, grad, interleaved, up_first, (gate_cap, up_cap))
     return grad
 
 
 def softcapped_swiglu_packed_backward_into(grad_out: torch.Tensor, gate_up: torch.Tensor, gate_cap: float,
                                            up_cap: float, interleaved: bool, up_first: bool) -> None:
-    """d gate_up written over gate_up, as swiglu_packed_backward_into."""
-    gate, up = split_packed(gate_up, interleaved, up_first)
-    softcapped_swiglu_backward_into(grad_out, gate, up, gate_cap, up_cap, gate, up, True, True)
+    """d gate_up written over gate_up."""
+    _write_grad(softcapped_swiglu_backward_into, grad_out, gate_up, gate_up, interleaved, up_first, (gate_cap, up_cap))
 
 
 for _key in ("CPU", "CUDA"):  # plain Library registration, as fxfuse::swiglu (host time per call)
@@ -243,10 +246,10 @@ class _ClampedPackedFunction(_PackedFunction):
     forward_op, backward_op = _CLAMPED, _CLAMPED_BACKWARD
 
 
-register_autograd(_lib, "swiglu_packed", _SWIGLU, _SwiGLUPackedFunction)
 class _SoftcappedPackedFunction(_PackedFunction):
     forward_op, backward_op = _SOFTCAPPED, _SOFTCAPPED_BACKWARD
 
 
+register_autograd(_lib, "swiglu_packed", _SWIGLU, _SwiGLUPackedFunction)
 register_autograd(_lib, "clamped_swiglu_packed", _CLAMPED, _ClampedPackedFunction)
 register_autograd(_lib, "softcapped_swiglu_packed", _SOFTCAPPED, _SoftcappedPackedFunction)
