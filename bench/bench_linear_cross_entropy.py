@@ -7,11 +7,12 @@ is the difference to these rows).
 
     python bench/bench_linear_cross_entropy.py [--shapes 8192x4096x128256] [--dtype bfloat16]
         [--label-smoothing 0.1] [--softcap 30] [--bias] [--frozen-weight] [--fast-rows 512 2048]
-        [--vocab-scale]
+        [--vocab-scale [--frozen-scale]]
 
 --vocab-scale times Dory's head instead, ``cross_entropy(linear(x, W, b).float() * s, t)`` with a
-learned [V] scale s (its gradient included): fxfuse fuses it through the backend, folding s into W's
-rows (providers eager, inductor, fxfuse-compiled[-lean]; Liger and the bare op have no such scale).
+learned [V] scale s (its gradient included; --frozen-scale: not, as under LoRA): fxfuse fuses it through
+the backend, s the op's fp32 vocab_scale (providers eager, inductor, fxfuse-compiled[-lean], and the
+bare op as fxfuse / fxfuse-fast; Liger has no such scale).
 
 Each case (NxHxV) times ``loss = f(x, W, b, target)`` and ``torch.autograd.grad`` of x, W (and b),
 and reports ms, TFLOP/s from ``lce_flops`` (the three matmuls any implementation needs;
@@ -159,7 +160,8 @@ def _inputs(n: int, h: int, v: int, dtype: torch.dtype, args, seed: int = 0, dev
     b = torch.randn(v, device=device, dtype=dtype, generator=gen).requires_grad_() if args.bias else None
     t = torch.randint(0, v, (n,), device=device, generator=gen)
     t[torch.rand(n, device=device, generator=gen) < 0.05] = IGNORE_INDEX
-    s = (torch.rand(v, device=device, dtype=dtype, generator=gen) + 0.5).requires_grad_() if args.vocab_scale else None
+    s = torch.rand(v, device=device, dtype=dtype, generator=gen) + 0.5 if args.vocab_scale else None
+    s = s.requires_grad_(not args.frozen_scale) if s is not None else None
     return x, w, b, t, s
 
 
@@ -248,6 +250,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frozen-weight", action="store_true", help="W.requires_grad = False (no dW)")
     parser.add_argument("--vocab-scale", action="store_true",
                         help="Dory's head: logits.float() * a learned [V] scale (see the module doc)")
+    parser.add_argument("--frozen-scale", action="store_true", help="with --vocab-scale: s.requires_grad = False")
     parser.add_argument("--providers", nargs="+", default=list(LCE_PROVIDERS), choices=LCE_PROVIDERS)
     parser.add_argument("--fast-rows", type=int, nargs="+", default=None,
                         help="also time fxfuse-fast (and matmuls-passes) at these rows per pass")

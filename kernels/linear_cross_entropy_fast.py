@@ -17,10 +17,11 @@ Forward, per pass of R tokens (rows n0:n0+R):
     math on the upcast zb:
         sweep 1: online max / sum-exp (and logit sum for label smoothing) -> lse_n, row_n
         sweep 2: dzr_n (grad of the raw x @ W.T + b), rounded to the input dtype, over zb in place
-    with a vocab_scale, sweep 2 runs instead as a column kernel (one program per row group of a
-    column tile, its rows in a loop, the row kernel's lse read back): dzr in place, and the scale's
-    grad summed over the group's rows in fp32 registers; the host adds the groups' [V] partials to
-    dvocab_scale (deterministic)
+    with a vocab_scale whose grad is needed, sweep 2 runs instead as a column kernel (one program
+    per row group of a column tile, its rows in a loop, the row kernel's lse read back): dzr in
+    place, and the scale's grad summed over the group's rows in fp32 registers; the host adds the
+    groups' [V] partials to dvocab_scale (deterministic). A frozen scale (need_ds False, as under
+    LoRA) keeps sweep 2 in the row kernel, the scale in its chain rule
     dx[pass] = dzr @ W (matmul 2, into dx's rows), dW (+)= dzr.T @ x_pass (matmul 3: the first pass
     writes, later ones addmm with beta=1: dW is rounded to the weight dtype once per pass), and
     db += dzr.sum(0) in fp32 (cast to the bias dtype at the end).
@@ -62,10 +63,10 @@ def _lce_fast_rows_kernel(
     loss_ptr,  # [N] fp32 out: row losses (0 on ignored rows)
     w_ptr,  # [1] fp32 per-row weight of the reduction: 1 ("sum") or 1 / count ("mean")
     vs_ptr,  # [V] fp32 per-vocabulary logit scale; unused unless HAS_VSCALE
-    lse_ptr,  # [R] fp32 out: the pass's row logsumexps, for _lce_fast_cols_kernel; unused unless HAS_VSCALE
+    lse_ptr,  # [R] fp32 out: the pass's row logsumexps, for _lce_fast_cols_kernel; unused unless SUM_DS
     n0, R, V, stride_z, ignore_index, scale, softcap, on_target, off_target, smoothing,
-    HAS_VSCALE: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, ROUND: tl.constexpr,
-    ROUND_OPS: tl.constexpr, RNE_BY_BITS: tl.constexpr,
+    HAS_VSCALE: tl.constexpr, SUM_DS: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr,
+    ROUND: tl.constexpr, ROUND_OPS: tl.constexpr, ROUND_OUT: tl.constexpr, RNE_BY_BITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BLOCK_N, 1] rows of the pass
@@ -99,19 +100,24 @@ def _lce_fast_rows_kernel(
     if SMOOTHING:
         loss = (1.0 - smoothing) * loss + smoothing * (lse - zsum / V)
     tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss), mask=r_ok)
-    if HAS_VSCALE:  # the scale's grad sums over rows: sweep 2 runs by columns (_lce_fast_cols_kernel)
+    if SUM_DS:  # the scale's grad sums over rows: sweep 2 runs by columns (_lce_fast_cols_kernel)
         tl.store(lse_ptr + r, lse, mask=r_ok)
     else:
         # sweep 2: dzr = w * (softmax - on_target * onehot - off_target) through _logits' chain rule
+        # (a frozen scale's grad is not summed: its chain rule alone, as the column kernel's)
         w = tl.where(ignored, 0.0, tl.load(w_ptr))
         for v0 in range(0, V, BLOCK):
             cols = v0 + tl.arange(0, BLOCK)[None, :]
             mask = r_ok & (cols < V)
             zr = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-            z, th = _logits(zr, z_row, vs_ptr, cols, mask, scale, softcap, False, False, SOFTCAP, ROUND, ROUND_OPS,
-                            RNE_BY_BITS)
+            z, th = _logits(zr, z_row, vs_ptr, cols, mask, scale, softcap, False, HAS_VSCALE, SOFTCAP, ROUND,
+                            ROUND_OPS, RNE_BY_BITS)
             dz = (tl.exp(z - lse) - off_target - tl.where(cols == t, on_target, 0.0)) * w
-            dz = _dlogits(dz, th, scale, softcap, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
+            if HAS_VSCALE:
+                dz, _ = _dlogits_vscaled(dz, th, zr, vs_ptr, cols, mask, scale, softcap, SOFTCAP, ROUND_OUT,
+                                         RNE_BY_BITS)
+            else:
+                dz = _dlogits(dz, th, scale, softcap, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
             tl.store(z_row + cols, dz.to(z_ptr.dtype.element_ty), mask=mask)
 
 
@@ -190,27 +196,29 @@ def _fast_rows(z, target, loss_rows, w, vs, ds, n0, ignore_index, smoothing, sof
     """One pass's row losses into loss_rows[n0:n0+R]; z (the pass's raw logits) becomes dzr;
     rounding: eager's roundings of the logit ops in z's dtype; round_ops: also of the scale and
     softcap (they run in z's dtype, before the .float()); vs: the [V] fp32 per-vocabulary scale or
-    None, whose grad the pass adds to ds [V] fp32."""
+    None, whose grad the pass adds to ds [V] fp32 unless ds is None (a frozen scale: no column sweep)."""
     rows, vocab = z.shape
+    sum_ds = vs is not None and ds is not None
     if not on_triton:
         loss, dz, dvs = _fast_rows_reference(z, target[n0:n0 + rows], w, vs, ignore_index, smoothing, softcap,
                                              scale, rounding, round_ops)
         loss_rows[n0:n0 + rows] = loss
         z.copy_(dz)
-        if vs is not None:
+        if sum_ds:
             ds += dvs
         return
     block = _fast_tile(vocab)
     block_n = _rows_per_program(rows, block, z.device)
-    lse = torch.empty(rows, device=z.device, dtype=torch.float32) if vs is not None else None
+    lse = torch.empty(rows, device=z.device, dtype=torch.float32) if sum_ds else None
     _lce_fast_rows_kernel[(triton.cdiv(rows, block_n),)](
-        z, target, loss_rows, w, vs if vs is not None else w, lse if vs is not None else w, n0, rows, vocab,
+        z, target, loss_rows, w, vs if vs is not None else w, lse if sum_ds else w, n0, rows, vocab,
         z.stride(0), ignore_index, scale, softcap, 1.0 - smoothing, smoothing / vocab, smoothing,
-        HAS_VSCALE=vs is not None, SOFTCAP=softcap > 0, SMOOTHING=smoothing > 0,
+        HAS_VSCALE=vs is not None, SUM_DS=sum_ds, SOFTCAP=softcap > 0, SMOOTHING=smoothing > 0,
         ROUND=round_code(z.dtype, rounding), ROUND_OPS=round_code(z.dtype, rounding and round_ops),
-        RNE_BY_BITS=rne_by_bits(z.device), BLOCK_N=block_n, BLOCK=block, num_warps=_num_warps(block),
+        ROUND_OUT=round_code(z.dtype), RNE_BY_BITS=rne_by_bits(z.device), BLOCK_N=block_n, BLOCK=block,
+        num_warps=_num_warps(block),
     )
-    if vs is not None:
+    if sum_ds:
         block_r, block_v = _cols_tiles(rows, vocab)
         col_tiles = triton.cdiv(vocab, block_v)
         per_group = _cols_rows_per_group(rows, block_r, col_tiles, z.device)
@@ -232,13 +240,13 @@ def linear_cross_entropy_fast(
     vocab_scale: Optional[torch.Tensor] = None, need_ds: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, dx, dweight, dbias, dvocab_scale) for an upstream gradient of 1; each one not needed is
-    empty (the scale's grad is computed whenever the op has a vocab_scale: it costs one [V] sum)."""
+    empty (the scale's grad only with need_ds: without it a scaled pass skips the column sweep)."""
     x, weight, target = x.contiguous(), weight.contiguous(), target.contiguous()
     vs = _vocab_scale(vocab_scale, weight, eager_rounding)
     n, h = x.shape
     vocab = weight.shape[0]
     need_db = need_db and bias is not None
-    ds = torch.zeros(vocab if vs is not None else 0, device=x.device, dtype=torch.float32)
+    ds = torch.zeros(vocab, device=x.device, dtype=torch.float32) if need_ds and vs is not None else None
     on_triton = x.is_cuda or use_triton(x)
     if reduction == "mean":  # on the device: 1 / 0 = inf on an all-ignored batch weighs no row
         count = (target != ignore_index).sum()
@@ -270,7 +278,7 @@ def linear_cross_entropy_fast(
         if need_db:
             db += z.sum(0, dtype=torch.float32)
     loss = _reduce_like_eager(loss_rows, target, ignore_index, reduction)
-    ds = ds if need_ds else x.new_empty(0)
+    ds = ds if ds is not None else x.new_empty(0)
     return loss, dx, dw, db.to(bias.dtype) if need_db else x.new_empty(0), ds
 
 

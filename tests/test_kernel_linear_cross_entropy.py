@@ -306,16 +306,17 @@ def test_bench_counts(monkeypatch):
     bench._matmul_step(torch.randn(10, 8), torch.randn(30, 8), 4)()  # the floor's three matmuls, 3 passes
 
 
-def test_bench_vocab_scale_case_is_fused_and_agrees_with_eager():
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained_scale", "frozen_scale"])
+def test_bench_vocab_scale_case_is_fused_and_agrees_with_eager(frozen):
     """--vocab-scale (Dory's head) on CPU: fxfuse-compiled fuses it, and it and the bare op (its
-    vocab_scale) give the loss and gradients, the scale's included, of the eager definition the
-    benchmark times."""
+    vocab_scale) give the loss and gradients, the scale's included unless --frozen-scale, of the
+    eager definition the benchmark times."""
     import argparse
 
     bench = load_script("bench", "bench_linear_cross_entropy")
     parser = argparse.ArgumentParser()
     bench.add_args(parser)
-    args = parser.parse_args(["--vocab-scale", "--bias"])
+    args = parser.parse_args(["--vocab-scale", "--bias"] + (["--frozen-scale"] if frozen else []))
     torch._dynamo.reset()
     compiled, note = bench._provider_fn("fxfuse-compiled-lean", args)
     assert note == "loss head fused 1x, 0 unmatched", note
@@ -323,6 +324,7 @@ def test_bench_vocab_scale_case_is_fused_and_agrees_with_eager():
     assert bench._provider_fn("liger", args)[0] is None
     x, w, b, t, s = bench._inputs(40, 16, 70, torch.float32, args, device="cpu")
     ref = bench._fwd_bwd(eager, x, w, b, t, s)
+    assert s.requires_grad is not frozen and len(ref) == 5 - frozen  # loss, dx, dW, db (, ds)
     for fused in (compiled, bench._provider_fn("fxfuse", args)[0], bench._provider_fn("fxfuse-fast", args)[0]):
         for g, r in zip(bench._fwd_bwd(fused, x, w, b, t, s), ref, strict=True):
             assert rel(g, r) < 1e-5

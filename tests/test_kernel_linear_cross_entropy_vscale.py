@@ -88,6 +88,29 @@ def test_only_needed_grads(algo, need):
         assert rel(g, r) < 1e-5
 
 
+@pytest.mark.parametrize("need_s", [False, True], ids=["frozen_scale", "trained_scale"])
+def test_fast_column_sweep_only_for_the_scales_grad(monkeypatch, need_s):
+    """The fast path's column kernel runs only when the scale's grad is needed (a frozen scale, as
+    under LoRA, keeps sweep 2 in the row kernel); both give eager's grads."""
+    import fxfuse.kernels.linear_cross_entropy_fast as fast
+    launches = []
+    kernel = fast._lce_fast_cols_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+    monkeypatch.setattr(fast, "_lce_fast_cols_kernel", Spy())
+    x, w, b, t = inputs(37, 24, 211, torch.float32, True, logit_std=3.0)
+    args, need = (-100, "mean", 0.1, 4.0), (True, True, True, need_s)
+    got, ref = grads(fused("fast"), x, w, b, t, scale(211), *args, need=need), grads(eager, x, w, b, t, scale(211),
+                                                                                       *args, need=need)
+    assert len(launches) == (3 if need_s else 0)  # one per pass (small_chunks: 3 passes)
+    assert len(got) == len(ref) == 4 + need_s
+    for g, r in zip(got, ref):
+        assert rel(g, r) < 1e-5
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("red", ["mean", "sum"])
 def test_all_ignored(algo, red):
@@ -152,17 +175,21 @@ def test_rejects_a_bad_scale(algo):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("need_s", [True, False], ids=["trained_scale", "frozen_scale"])
 @pytest.mark.parametrize("algo", ALGOS)
-def test_gpu_bf16_vs_fp64(monkeypatch, algo):
+def test_gpu_bf16_vs_fp64(monkeypatch, algo, need_s):
     """The CUDA path (cuBLAS matmuls, compiled row and column kernels) in bf16 at a shape with several
     passes, softcap and smoothing: every output, the scale's grad included, no further from an fp64
-    run than 2x eager bf16's own distance; fast's loss, dx and ds within 1.1x (eager's bf16 logits)."""
+    run than 2x eager bf16's own distance; fast's loss, dx and ds within 1.1x (eager's bf16 logits).
+    A frozen scale: fast's sweep 2 in the row kernel, the same bounds."""
     monkeypatch.setattr(lce_chunks, "_CHUNK_OVERRIDE", (512, 1024, 2048))
     x, w, b, t = (a.cuda() if a is not None else None
                   for a in inputs(2000, 512, 5000, torch.bfloat16, True, logit_std=4.0))
     s, args = scale(5000).cuda(), (-100, "mean", 0.1, 30.0)
-    ref = grads(eager, x.double(), w.double(), b.double(), t, s.double(), *args)
-    got, base = grads(fused(algo), x, w, b, t, s, *args), grads(eager, x, w, b, t, s, *args)
+    need = (True, True, True, need_s)
+    ref = grads(eager, x.double(), w.double(), b.double(), t, s.double(), *args, need=need)
+    got, base = grads(fused(algo), x, w, b, t, s, *args, need=need), grads(eager, x, w, b, t, s, *args, need=need)
+    assert len(got) == len(ref) == 4 + need_s
     for name, g, e, r in zip(["loss", "dx", "dw", "db", "ds"], got, base, ref):
         tight = algo == "fast" and name in ("loss", "dx", "ds")
         assert rel(g, r) <= (1.1 if tight else 2.0) * rel(e, r), (name, rel(g, r), rel(e, r))
