@@ -113,9 +113,9 @@ def _lce_fast_rows_kernel(
             z, th = _logits(zr, z_row, vs_ptr, cols, mask, scale, softcap, False, HAS_VSCALE, SOFTCAP, ROUND,
                             ROUND_OPS, RNE_BY_BITS)
             dz = (tl.exp(z - lse) - off_target - tl.where(cols == t, on_target, 0.0)) * w
-            if HAS_VSCALE:
-                dz, _ = _dlogits_vscaled(dz, th, zr, vs_ptr, cols, mask, scale, softcap, SOFTCAP, ROUND_OUT,
-                                         RNE_BY_BITS)
+            if HAS_VSCALE:  # (its ds terms unused; a name of their own: `_` is sweep 1's [BLOCK_N, 1])
+                dz, unused_terms = _dlogits_vscaled(dz, th, zr, vs_ptr, cols, mask, scale, softcap, SOFTCAP,
+                                                    ROUND_OUT, RNE_BY_BITS)
             else:
                 dz = _dlogits(dz, th, scale, softcap, SOFTCAP, ROUND, ROUND_OPS, RNE_BY_BITS)
             tl.store(z_row + cols, dz.to(z_ptr.dtype.element_ty), mask=mask)
