@@ -12,7 +12,8 @@ k = up_cap; one rounding at the store, as its ``.to(input_dtype)``):
 The sigmoid sees the raw gate; the softcaps bound only the linear gate factor and up.
 
 Backward (t, a, s, p, r, b recomputed from gate and up; only gate and up are saved), in the order
-eager's autograd computes each product:
+eager's autograd computes each product (the kernels multiply by 1 / c and 1 / k, and divide
+approximately inside tanh and sigmoid: the output rounds once, no eager bits to reproduce):
     dp = dout * b                   db = dout * p
     dup   = ((db * k) * (1 - r^2)) / k
     da = dp * s                     ds = dp * a
@@ -27,28 +28,30 @@ import triton.language as tl
 from ._dispatch import register_autograd
 from ._gated import (GatedFunction, check_pair, copy_outputs, launch_backward, launch_forward,
                      load_pair, load_tile, store_out, store_pair)
-from .clamped_swiglu import _sigmoid
 from .swiglu import _on_triton
 
 
 @triton.jit
 def _tanh(u):
     """tanh in fp32 to a few ulps: 1 - 2 / (exp(2u) + 1), and an odd series below |u| = 1/4, where
-    that would lose the small result's bits. On an H100 the op runs 10% faster with this (tl.exp's
-    ex2.approx) than with libdevice's tanh and expf (bench/probe_softcapped_swiglu.py, 34th
-    session); the output is rounded to bf16 / fp16 once at its store, no eager bits to reproduce."""
+    that would lose the small result's bits. tl.exp (ex2.approx) and an approximate divide
+    (tl.fdiv): on an H100 the op ran 10% faster with tl.exp than with libdevice's tanh and expf
+    (34th session), then 11% faster again with the approximate divides and the caps' reciprocals
+    (bench/probe_softcapped_swiglu.py, 35th session); the output is rounded to bf16 / fp16 once at its
+    store, no eager bits to reproduce."""
     u2 = u * u
     series = u * (1.0 + u2 * (-1.0 / 3 + u2 * (2.0 / 15 + u2 * (-17.0 / 315 + u2 * (62.0 / 2835)))))
-    return tl.where(tl.abs(u) < 0.25, series, 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+    return tl.where(tl.abs(u) < 0.25, series, 1.0 - tl.fdiv(2.0, tl.exp(2.0 * u) + 1.0))
 
 
 @triton.jit
 def _terms(g, u, gate_cap, up_cap):
-    """(t, a, s, p, r, b) of the module docstring, fp32 (the sigmoid from tl.exp, as _tanh)."""
-    t = _tanh(g / gate_cap)
+    """(t, a, s, p, r, b) of the module docstring, fp32 (the sigmoid from tl.exp and tl.fdiv, as
+    _tanh; each cap's reciprocal once per program, multiplied)."""
+    t = _tanh(g * (1.0 / gate_cap))
     a = t * gate_cap
-    s = _sigmoid(g, False)
-    r = _tanh(u / up_cap)
+    s = tl.fdiv(1.0, 1.0 + tl.exp(-g))
+    r = _tanh(u * (1.0 / up_cap))
     return t, a, s, a * s, r, r * up_cap
 
 
@@ -112,11 +115,11 @@ def _softcapped_swiglu_bwd_kernel(
     g, u = load_pair(gate_ptr, up_ptr, rows, pid_n, M, I, stride_gm, stride_gn, stride_um, stride_un,
                      PAIR, True, BLOCK_M, BLOCK_N)
     t, a, s, p, r, b = _terms(g, u, gate_cap, up_cap)
-    du = ((dout * p) * up_cap) * (1.0 - r * r) / up_cap
+    du = ((dout * p) * up_cap) * (1.0 - r * r) * (1.0 / up_cap)
     dg = du
     if NEED_DGATE:
         dp = dout * b
-        dg = ((dp * s) * gate_cap) * (1.0 - t * t) / gate_cap + ((dp * a) * s) * (1.0 - s)
+        dg = ((dp * s) * gate_cap) * (1.0 - t * t) * (1.0 / gate_cap) + ((dp * a) * s) * (1.0 - s)
     if READ_BEFORE_WRITE:
         tl.debug_barrier()
     store_pair(dgate_ptr, dup_ptr, dg, du, rows, pid_n, M, I, stride_om, stride_on, OUT_PAIR, NEED_DGATE, NEED_DUP,
@@ -130,7 +133,7 @@ def _check_args(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: f
 
 
 # Two tanh and a sigmoid per element: ALU-heavy, so small programs. H100, packed gate_up fwd+bwd
-# at 65536x1024 (bench/probe_softcapped_swiglu.py): 1024 elements 0.425 ms, 2048 0.432, 4096 0.450.
+# at 65536x1024 (bench/probe_softcapped_swiglu.py, 35th session): 1024 elements 373 us, 2048 384.
 _MAX_TILE = 1024
 
 _lib = torch.library.Library("fxfuse", "FRAGMENT")
