@@ -23,6 +23,15 @@ import fxfuse.kernels.rope  # noqa: E402, F401
 import fxfuse.kernels.swiglu  # noqa: E402, F401
 import fxfuse.kernels.swiglu_packed  # noqa: E402, F401
 
+# FXFUSE_TRITON_SPECS=DIR (.ci/run): record each interpreted launch's specialization, for
+# tests/triton_specs.py to compile for a GPU after the run (what the interpreter never checks)
+if os.environ.get("FXFUSE_TRITON_SPECS") and os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_specs import install_recorder  # noqa: E402
+
+    os.makedirs(os.environ["FXFUSE_TRITON_SPECS"], exist_ok=True)
+    install_recorder(os.path.join(os.environ["FXFUSE_TRITON_SPECS"],
+                                  os.environ.get("PYTEST_XDIST_WORKER", "main") + ".jsonl"))
+
 # pytest-xdist (README's test command runs two processes): split the cores between the processes, so
 # torch's intra-op threads do not oversubscribe them (both runs of a parity check share the setting)
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
