@@ -71,6 +71,16 @@ def _hf_checkpointing(request):
 
 
 @pytest.fixture
+def exact_fp32():
+    """CUDA matmuls and convolutions in full fp32 for the test, the flags restored after it
+    (fxfuse.harness.exact_fp32): fp32 parity on a GPU measures fxfuse, not TF32's rounding."""
+    from fxfuse.harness import exact_fp32 as exact
+
+    with exact():
+        yield
+
+
+@pytest.fixture
 def paths(monkeypatch):
     """Which variant each call of a graph compiled with a run-time checked causal variant ran
     (fxfuse/attention_tags.py): "causal" or "traced", in call order."""

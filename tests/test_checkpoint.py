@@ -189,12 +189,11 @@ def test_checkpointed_architectures_fuse_as_without(model_type):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.usefixtures("exact_fp32")
 def test_gpu_checkpointed_llama_inductor():
     """The CUDA path: Inductor, the Triton kernels compiled for the GPU, checkpointed layers
     recomputed, each SwiGLU backward written over its dead inputs (fxfuse.reinplace); fp32 (TF32
     off) parity with eager and fewer saved bytes than without checkpointing."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     inputs = {k: v.cuda() for k, v in batch().items()}
     ref_loss, ref = loss_and_grads(hf_model("llama", num_hidden_layers=2).cuda(), inputs)
     kept, _, _ = saved_bytes(hf_model("llama", num_hidden_layers=2).cuda(), inputs, {"inner": "inductor"})
@@ -210,12 +209,12 @@ def test_gpu_checkpointed_llama_inductor():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.usefixtures("exact_fp32")
 def test_gpu_checkpointed_packed_gate_up_inductor():
     """Phi-3's packed gate_up on the GPU under checkpointing: each layer's d gate_up written over
     its recomputed gate_up, fp32 (TF32 off) parity with eager. (Not gpt-oss: in fp32 on CUDA its
     experts run transformers 5.17's grouped_mm_fallback, whose backward calls .tolist(), and plain
     Inductor fails on that graph too; its packed kernel is checked in test_gpu_kernels.)"""
-    torch.backends.cuda.matmul.allow_tf32 = False
     inputs = {k: v.cuda() for k, v in batch().items()}
     model = random_biases(hf_model("phi3", num_hidden_layers=2)).cuda()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

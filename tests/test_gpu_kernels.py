@@ -197,6 +197,7 @@ def test_rope_keeps_a_transposed_layout():
     torch.testing.assert_close(ko, rk, rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("exact_fp32")
 def test_deepseek_v3_fused_under_inductor():
     """DeepSeek V3 (MLA, rope on interleaved pairs) from a tiny config on the GPU with Inductor:
     every site fused, fp32 loss and gradients within 1e-5 of eager (TF32 off)."""
@@ -207,8 +208,6 @@ def test_deepseek_v3_fused_under_inductor():
     from fxfuse.zoo import MLA_TINY, hf_config, hf_inputs, without_randomness
     from transformers import AutoModelForCausalLM
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     cfg = without_randomness(hf_config("deepseek_v3", **MLA_TINY))
     # dense MLPs in every layer: transformers 5.17's grouped_mm fallback calls .tolist() in its
     # backward, which fails AOT tracing under any backend (aot_eager too; fixed by 5.24), and the
