@@ -1,8 +1,8 @@
 """Compile for a GPU, on a CPU, every Triton kernel specialization the test suite launched.
 
 Triton's interpreter runs the kernels on CPU but never compiles them, so what only the GPU
-compiler checks (a loop-carried variable changing type, a constexpr branch the interpreter's
-numpy semantics accept, a scalar's dtype) first fails on the device machine. This closes that
+compiler checks (a loop-carried variable changing type, branches that return different types,
+code the interpreter's numpy semantics accept) first fails on the device machine. This closes that
 gap: with FXFUSE_TRITON_SPECS=DIR, tests/conftest.py records each interpreter launch's
 specialization (kernel, argument types, constexpr values, num_warps) to DIR/<worker>.jsonl; then
 
