@@ -166,3 +166,33 @@ def test_compile_dynamic_two_sizes():
         compiled(x).backward(dout)
         eager(*x_ref.chunk(2, -1)).backward(dout)
         assert rel_err(x.grad, x_ref.grad) < 1e-5
+
+
+def test_probe_twin_is_the_shipped_kernels(monkeypatch):
+    """bench/probe_softcapped_swiglu.py's twin 1 stands for the shipped kernels in its timings: the
+    same outputs bit for bit (forward and both gradients of a packed gate_up, bf16), so a kernel change
+    that leaves the twin behind fails here; twin 0 (the previous math) differs."""
+    import os
+
+    from fxfuse.kernels._gated import launch_backward, launch_forward
+    from fxfuse.kernels.swiglu_packed import split_packed
+    from tests.helpers import load_script
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    probe = load_script("bench", "probe_softcapped_swiglu")
+    g = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(37, 2 * 199, generator=g) * 8).bfloat16()
+    dout = torch.randn(37, 199, generator=g).bfloat16()
+    gate, up = split_packed(gate_up, False, False)
+
+    def run(fwd, bwd, **constexprs):
+        grad = torch.empty_like(gate_up)
+        dgate, dup = split_packed(grad, False, False)
+        out = launch_forward(fwd, gate, up, (GATE_CAP, UP_CAP), S._MAX_TILE, **constexprs)
+        launch_backward(bwd, dout, gate, up, dgate, dup, True, True, (GATE_CAP, UP_CAP), S._MAX_TILE, **constexprs)
+        return out, grad
+
+    shipped = run(S._softcapped_swiglu_fwd_kernel, S._softcapped_swiglu_bwd_kernel)
+    twin, previous = run(probe._fwd, probe._bwd, MATH=1), run(probe._fwd, probe._bwd, MATH=0)
+    assert all(torch.equal(a, b) for a, b in zip(twin, shipped))
+    assert not all(torch.equal(a, b) for a, b in zip(previous, shipped))
