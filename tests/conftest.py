@@ -30,7 +30,8 @@ if os.environ.get("FXFUSE_TRITON_SPECS") and os.environ.get("TRITON_INTERPRET") 
 
     os.makedirs(os.environ["FXFUSE_TRITON_SPECS"], exist_ok=True)
     install_recorder(os.path.join(os.environ["FXFUSE_TRITON_SPECS"],
-                                  os.environ.get("PYTEST_XDIST_WORKER", "main") + ".jsonl"))
+                                  os.environ.get("PYTEST_XDIST_WORKER", "main") + ".jsonl"),
+                     modules=("fxfuse.",))  # the package's kernels (bench probes load theirs by path)
 
 # pytest-xdist (README's test command runs two processes): split the cores between the processes, so
 # torch's intra-op threads do not oversubscribe them (both runs of a parity check share the setting)

@@ -16,14 +16,14 @@ pytestmark = pytest.mark.interpreter
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _record(tmp_path, kernel, monkeypatch):
+def _record(tmp_path, kernel, monkeypatch, modules=()):
     from triton.runtime.interpreter import InterpretedFunction
 
     # below the suite's own recorder, if any (.ci/run's, which must not see the rejected kernel)
     monkeypatch.setattr(InterpretedFunction, "run", getattr(InterpretedFunction.run, "__wrapped__",
                                                             InterpretedFunction.run))
     path = tmp_path / "w.jsonl"
-    triton_specs.install_recorder(str(path))
+    triton_specs.install_recorder(str(path), modules)
     x = torch.ones(3, 10)
     for _ in range(2):  # the same launch twice: recorded once
         kernel[(3,)](x, 2.0, 10, BLOCK=4, num_warps=2)
@@ -45,6 +45,20 @@ def test_recorder_writes_each_specialization_once(tmp_path, monkeypatch):
         "module": "triton_spec_cases", "name": "scale_rows_kernel",
         "signature": {"x_ptr": "*fp32", "factor": "fp32", "N": "i32", "BLOCK": "constexpr"},
         "constexprs": {"BLOCK": 4}, "options": {"num_warps": 2}}
+
+
+def test_recorder_keeps_to_the_named_modules(tmp_path, monkeypatch):
+    """CI records fxfuse's kernels only: a kernel from elsewhere (a bench probe loaded by path) runs,
+    unrecorded, where the compile step could not import it."""
+    path = _record(tmp_path, cases.scale_rows_kernel, monkeypatch, modules=("fxfuse.",))
+    assert not path.exists()
+
+
+def test_cli_reports_a_kernel_it_cannot_import(tmp_path):
+    spec = {"module": "no_such_module", "name": "k", "signature": {}, "constexprs": {}, "options": {}}
+    (tmp_path / "w.jsonl").write_text(json.dumps(spec) + "\n")
+    done = _compile(tmp_path)
+    assert done.returncode == 1 and "FAILED no_such_module.k" in done.stdout and "ModuleNotFoundError" in done.stdout
 
 
 def test_largest_tiles_kept_per_shape_free_key(tmp_path):

@@ -61,14 +61,17 @@ def spec_of(fn, names: list[str], args: tuple, kwargs: dict) -> dict:
             "options": options}
 
 
-def install_recorder(path: str) -> None:
-    """Appends each new specialization the interpreter launches to path (one JSON object a line)."""
+def install_recorder(path: str, modules: tuple[str, ...] = ()) -> None:
+    """Appends each new specialization the interpreter launches to path (one JSON object a line);
+    modules: record only kernels defined in modules whose names start so (empty: all)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     seen = set()
     run = InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
+        if modules and not self.fn.__module__.startswith(modules):
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
         line = json.dumps(spec_of(self.fn, self.arg_names, args, kwargs), sort_keys=True)
         if line not in seen:
             seen.add(line)
@@ -116,11 +119,11 @@ def compile_spec(spec: dict, arch: int = 90) -> str | None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(importlib.import_module(spec["module"]), spec["name"])
-    names = fn.arg_names
-    src = ASTSource(fn=fn, signature={n: spec["signature"][n] for n in names},
-                    constexprs={(names.index(n),): v for n, v in spec["constexprs"].items()})
     try:
+        fn = getattr(importlib.import_module(spec["module"]), spec["name"])
+        names = fn.arg_names
+        src = ASTSource(fn=fn, signature={n: spec["signature"][n] for n in names},
+                        constexprs={(names.index(n),): v for n, v in spec["constexprs"].items()})
         triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(spec["options"]))
     except Exception as exc:  # any compiler error is the finding
         return f"{type(exc).__name__}: {str(exc)[-600:]}"
