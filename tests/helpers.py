@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -15,11 +16,16 @@ from fxfuse.zoo import TINY
 
 
 def load_script(folder: str, name: str):
-    """The repository's folder/name.py (bench/, examples/: folders, not packages), loaded by path."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), folder, f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"{folder}_{name}", path)
+    """The repository's folder/name.py (bench/, examples/: folders, not packages), loaded by path,
+    with its folder on sys.path while it loads (as when run from there: bench's `from common import`)."""
+    where = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), folder)
+    spec = importlib.util.spec_from_file_location(f"{folder}_{name}", os.path.join(where, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    sys.path.insert(0, where)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(where)
     return mod
 
 

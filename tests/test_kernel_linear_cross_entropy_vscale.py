@@ -116,12 +116,10 @@ def test_probe_sub_blocks_match_the_whole_pass(monkeypatch):
     signatures): the scaled pass in sub-blocks of rows gives the whole pass's dzr bit for bit and its
     scale grad; the probe asserts both."""
     import argparse
-    import os
 
     from helpers import load_script
 
     monkeypatch.setattr(lce_chunks, "_CHUNK_OVERRIDE", None)  # the probe sizes its tiles as shipped
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     probe = load_script("bench", "probe_lce_vscale")
     probe.fast_pass(argparse.Namespace(rows=40, vocab=300, device="cpu", sub_rows=[8, 16], check=True, tiles=[]))
 

@@ -168,17 +168,14 @@ def test_compile_dynamic_two_sizes():
         assert rel_err(x.grad, x_ref.grad) < 1e-5
 
 
-def test_probe_twin_is_the_shipped_kernels(monkeypatch):
+def test_probe_twin_is_the_shipped_kernels():
     """bench/probe_softcapped_swiglu.py's twin 1 stands for the shipped kernels in its timings: the
     same outputs bit for bit (forward and both gradients of a packed gate_up, bf16), so a kernel change
     that leaves the twin behind fails here; twin 0 (the previous math) differs."""
-    import os
-
     from fxfuse.kernels._gated import launch_backward, launch_forward
     from fxfuse.kernels.swiglu_packed import split_packed
     from tests.helpers import load_script
 
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     probe = load_script("bench", "probe_softcapped_swiglu")
     g = torch.Generator().manual_seed(0)
     gate_up = (torch.randn(37, 2 * 199, generator=g) * 8).bfloat16()
