@@ -255,3 +255,16 @@ def test_row_backward_sums_any_width(launch_patch, independent, lead, d, style):
         have = torch.autograd.grad(rms_norm(xe, we, EPS, 0.0, True, torch.bfloat16, True), (xe, we), dyb)
         for a, r in zip(have, want):
             assert ((a.double() - r.double()).abs() <= 2.0 ** -7 * r.double().abs()).all()
+
+
+@pytest.mark.parametrize("m,tail_k", [(10, [2, 4]), (11, [4])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_probe_tail_split_matches_the_shipped_kernels(m, tail_k, dtype):
+    """bench/probe_rms_tail.py's split kernels (the loop stops at the last whole wave of rows; the
+    last M % SMs rows are shared column-wise by the other programs) give the shipped kernels' y and
+    dx bit for bit and dw to fp32 summation order (on CPU num_sms is 4: 10 rows leave 2, 11 leave 3)."""
+    from tests.helpers import load_script
+
+    probe = load_script("bench", "probe_rms_tail")
+    _, bad = probe.split_cases(m, 8192, dtype, "cpu", tail_k)
+    assert bad == []
