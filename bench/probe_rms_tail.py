@@ -15,8 +15,8 @@ time above the straight line through the multiples (linear in rows: the copy's l
 --split: the shipped kernels against copies of them whose loop stops at M_MAIN = M - M % S and whose
 last T = M % S rows are shared: TAIL_K programs per tail row each read the whole row (for its sums;
 after the first reader, L2 hits) and store only their 1 / TAIL_K of its columns (the backward adds
-only those columns to its dw partial). The tail step runs after the loop (POS 1) or before it
-(POS 0). Outputs are checked against the shipped kernels (y, dx bit-equal; dw to fp32 summation order).
+only those columns to its dw partial). The tail step runs before the loop (POS 0), after it
+(POS 1), or as the loop's last step (POS 2), whose loads the pipeliner issues during the last rows. Outputs are checked against the shipped kernels (y, dx bit-equal; dw to fp32 summation order).
 Only reports.
 """
 from __future__ import annotations
@@ -49,6 +49,12 @@ def _tail_share(pid, M, M_MAIN, TAIL_PID0, cols, col_mask, BLOCK_N: tl.constexpr
 
 
 @triton.jit
+def _rows_of(pid, M_MAIN):
+    """Loop rows of program pid: pid, pid + P, ... below M_MAIN."""
+    return tl.maximum(tl.cdiv(M_MAIN - pid, tl.num_programs(0)), 0)
+
+
+@triton.jit
 def _fwd_row_step(x_ptr, y_ptr, w, row64, cols, col_mask, store_mask, D, stride_x, eps,
                   CAST_BEFORE_WEIGHT: tl.constexpr, RNE_BY_BITS: tl.constexpr):
     """y of one row, stored where store_mask (the shipped row forward's step)."""
@@ -75,7 +81,7 @@ def _fwd_rows_tail_kernel(
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     TAIL_K: tl.constexpr,
-    POS: tl.constexpr,  # 0: tail share before the loop, 1: after
+    POS: tl.constexpr,  # 0: tail share before the loop, 1: after, 2: as the loop's last step (pipelined)
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -86,9 +92,16 @@ def _fwd_rows_tail_kernel(
         if has_tail:
             _fwd_row_step(x_ptr, y_ptr, w, tail_row, cols, col_mask, tail_mask, D, stride_x, eps,
                           CAST_BEFORE_WEIGHT, RNE_BY_BITS)
-    for row in tl.range(pid, M_MAIN, tl.num_programs(0), num_stages=NUM_STAGES):
-        _fwd_row_step(x_ptr, y_ptr, w, tl.cast(row, tl.int64), cols, col_mask, col_mask, D, stride_x, eps,
-                      CAST_BEFORE_WEIGHT, RNE_BY_BITS)
+    if POS < 2:
+        for row in tl.range(pid, M_MAIN, tl.num_programs(0), num_stages=NUM_STAGES):
+            _fwd_row_step(x_ptr, y_ptr, w, tl.cast(row, tl.int64), cols, col_mask, col_mask, D, stride_x, eps,
+                          CAST_BEFORE_WEIGHT, RNE_BY_BITS)
+    else:
+        n_main = _rows_of(pid, M_MAIN)
+        for i in tl.range(0, n_main + has_tail.to(tl.int32), num_stages=NUM_STAGES):
+            row64 = tl.where(i < n_main, (pid + i * tl.num_programs(0)).to(tl.int64), tail_row)
+            _fwd_row_step(x_ptr, y_ptr, w, row64, cols, col_mask, tl.where(i < n_main, col_mask, tail_mask), D,
+                          stride_x, eps, CAST_BEFORE_WEIGHT, RNE_BY_BITS)
     if POS == 1:
         if has_tail:
             _fwd_row_step(x_ptr, y_ptr, w, tail_row, cols, col_mask, tail_mask, D, stride_x, eps,
@@ -146,9 +159,16 @@ def _bwd_rows_tail_kernel(
         if has_tail:
             dw_acc += _bwd_row_step(dy_ptr, x_ptr, dx_ptr, w, tail_row, cols, col_mask, tail_mask, D, stride_x,
                                     eps, ROUND, RNE_BY_BITS)
-    for row in tl.range(pid, M_MAIN, tl.num_programs(0), num_stages=NUM_STAGES):
-        dw_acc += _bwd_row_step(dy_ptr, x_ptr, dx_ptr, w, tl.cast(row, tl.int64), cols, col_mask, col_mask, D,
-                                stride_x, eps, ROUND, RNE_BY_BITS)
+    if POS < 2:
+        for row in tl.range(pid, M_MAIN, tl.num_programs(0), num_stages=NUM_STAGES):
+            dw_acc += _bwd_row_step(dy_ptr, x_ptr, dx_ptr, w, tl.cast(row, tl.int64), cols, col_mask, col_mask, D,
+                                    stride_x, eps, ROUND, RNE_BY_BITS)
+    else:
+        n_main = _rows_of(pid, M_MAIN)
+        for i in tl.range(0, n_main + has_tail.to(tl.int32), num_stages=NUM_STAGES):
+            row64 = tl.where(i < n_main, (pid + i * tl.num_programs(0)).to(tl.int64), tail_row)
+            dw_acc += _bwd_row_step(dy_ptr, x_ptr, dx_ptr, w, row64, cols, col_mask,
+                                    tl.where(i < n_main, col_mask, tail_mask), D, stride_x, eps, ROUND, RNE_BY_BITS)
     if POS == 1:
         if has_tail:
             dw_acc += _bwd_row_step(dy_ptr, x_ptr, dx_ptr, w, tail_row, cols, col_mask, tail_mask, D, stride_x,
@@ -208,7 +228,7 @@ def split_cases(m: int, d: int, dtype: torch.dtype, device: str, tail_ks: list[i
     steps = {"fwd shipped": lambda: k._rms_norm(x, w, EPS, 0.0, True, dtype),
              "bwd shipped": lambda: k._rms_norm_backward(dy, x, w, EPS, 0.0, True)}
     for kk in tail_ks:
-        for pos in (0, 1):
+        for pos in (0, 1, 2):
             y = split_forward(x, w, kk, pos)
             dx, dw = split_backward(dy, x, w, kk, pos)
             dw_err = ((dw.float() - dw_ref.float()).abs().max() / dw_ref.float().abs().max()).item()
