@@ -132,8 +132,9 @@ def _dlogits_reference(dz, t, scale, softcap, low=None, round_ops=True):
     return dz * scale if round_ops else rnd(dz * scale)
 
 
-def _dlogits_vscaled_reference(dz, t, zr, vs, v0, scale, softcap):
-    """PyTorch twin of _dlogits_vscaled on a [R, C] chunk from column v0: (dzr, dvs terms)."""
+def _dlogits_vscaled_reference(dz, t, zr, vs, v0, scale, softcap, terms=True):
+    """PyTorch twin of _dlogits_vscaled on a [R, C] chunk from column v0: (dzr, dvs terms); the
+    terms are None when not asked for (a frozen scale: no [R, C] product to discard)."""
     du = _dlogits_reference(dz, t, 1.0, softcap)
     vs = vs[v0:v0 + zr.shape[1]]
-    return du * (scale * vs), du * zr * scale
+    return du * (scale * vs), du * zr * scale if terms else None

@@ -201,7 +201,7 @@ def _fast_rows(z, target, loss_rows, w, vs, ds, n0, ignore_index, smoothing, sof
     sum_ds = vs is not None and ds is not None
     if not on_triton:
         loss, dz, dvs = _fast_rows_reference(z, target[n0:n0 + rows], w, vs, ignore_index, smoothing, softcap,
-                                             scale, rounding, round_ops)
+                                             scale, rounding, round_ops, sum_ds)
         loss_rows[n0:n0 + rows] = loss
         z.copy_(dz)
         if sum_ds:
@@ -320,9 +320,11 @@ def _backward(ctx, dloss, _ddx, _ddw, _ddb, _dds):
 linear_cross_entropy_fast.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _fast_rows_reference(zr, target, w, vs, ignore_index, smoothing, softcap, scale, rounding, round_ops):
+def _fast_rows_reference(zr, target, w, vs, ignore_index, smoothing, softcap, scale, rounding, round_ops,
+                         sum_ds=True):
     """PyTorch twin of _lce_fast_rows_kernel (and, with a scale vs, _lce_fast_cols_kernel): (row
-    losses [R] fp32, dzr [R, V] fp32, the scale's grad [V] fp32 or None) of one pass."""
+    losses [R] fp32, dzr [R, V] fp32, the scale's grad [V] fp32, or None without a scale or sum_ds) of
+    one pass."""
     rows, vocab = zr.shape
     low = zr.dtype if rounding else None
     z, t = _logits_reference(zr.float(), None, 0, softcap, scale, low, round_ops, vs)
@@ -337,5 +339,5 @@ def _fast_rows_reference(zr, target, w, vs, ignore_index, smoothing, softcap, sc
     dz = dz * torch.where(ignored, 0.0, w)[:, None]
     if vs is None:
         return torch.where(ignored, 0.0, loss), _dlogits_reference(dz, t, scale, softcap, low, round_ops), None
-    dzr, terms = _dlogits_vscaled_reference(dz, t, zr.float(), vs, 0, scale, softcap)
-    return torch.where(ignored, 0.0, loss), dzr, terms.sum(0)
+    dzr, terms = _dlogits_vscaled_reference(dz, t, zr.float(), vs, 0, scale, softcap, sum_ds)
+    return torch.where(ignored, 0.0, loss), dzr, terms.sum(0) if sum_ds else None
