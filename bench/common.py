@@ -61,7 +61,14 @@ def graphed(step):
     # thread_local: autograd's backward runs on its own device thread during the capture.
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         step()
-    return graph.replay
+
+    def replay():
+        graph.replay()
+
+    # The graph reads and writes the tensors step closes over: they must live as long as the replay
+    # (a later capture's empty_cache would otherwise free their memory under the graph).
+    replay.step = step
+    return replay
 
 
 def copy_ceiling_gbps(nbytes: int = 2 << 30) -> float:

@@ -40,12 +40,20 @@ EPS = 1e-6
 
 @triton.jit
 def _tail_share(pid, M, M_MAIN, TAIL_PID0, cols, col_mask, BLOCK_N: tl.constexpr, TAIL_K: tl.constexpr):
-    """(has a share, its row, its columns' mask): programs TAIL_PID0 + j take row M_MAIN + j // TAIL_K,
-    column block j % TAIL_K of BLOCK_N / TAIL_K."""
+    """(has a share, its row, its columns' mask, their first column): programs TAIL_PID0 + j take row
+    M_MAIN + j // TAIL_K, column block j % TAIL_K of BLOCK_N / TAIL_K."""
     t = pid - TAIL_PID0
     lo = (t % TAIL_K) * (BLOCK_N // TAIL_K)
     return ((t >= 0) & (t < (M - M_MAIN) * TAIL_K), (M_MAIN + t // TAIL_K).to(tl.int64),
-            col_mask & (cols >= lo) & (cols < lo + BLOCK_N // TAIL_K))
+            col_mask & (cols >= lo) & (cols < lo + BLOCK_N // TAIL_K), lo)
+
+
+@triton.jit
+def _step_mask(whole, lo, cols, col_mask, BLOCK_N: tl.constexpr, TAIL_K: tl.constexpr):
+    """Store mask of a POS 2 loop step: the whole row, or the tail share's columns. Bounds selected, not
+    masks: a select between two masks hides the 16-byte runs and the stores go 2 bytes at a time."""
+    lo = tl.where(whole, 0, lo)
+    return col_mask & (cols >= lo) & (cols < tl.where(whole, BLOCK_N, lo + BLOCK_N // TAIL_K))
 
 
 @triton.jit
@@ -87,7 +95,7 @@ def _fwd_rows_tail_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < D
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-    has_tail, tail_row, tail_mask = _tail_share(pid, M, M_MAIN, TAIL_PID0, cols, col_mask, BLOCK_N, TAIL_K)
+    has_tail, tail_row, tail_mask, tail_lo = _tail_share(pid, M, M_MAIN, TAIL_PID0, cols, col_mask, BLOCK_N, TAIL_K)
     if POS == 0:
         if has_tail:
             _fwd_row_step(x_ptr, y_ptr, w, tail_row, cols, col_mask, tail_mask, D, stride_x, eps,
@@ -100,8 +108,9 @@ def _fwd_rows_tail_kernel(
         n_main = _rows_of(pid, M_MAIN)
         for i in tl.range(0, n_main + has_tail.to(tl.int32), num_stages=NUM_STAGES):
             row64 = tl.where(i < n_main, (pid + i * tl.num_programs(0)).to(tl.int64), tail_row)
-            _fwd_row_step(x_ptr, y_ptr, w, row64, cols, col_mask, tl.where(i < n_main, col_mask, tail_mask), D,
-                          stride_x, eps, CAST_BEFORE_WEIGHT, RNE_BY_BITS)
+            _fwd_row_step(x_ptr, y_ptr, w, row64, cols, col_mask,
+                          _step_mask(i < n_main, tail_lo, cols, col_mask, BLOCK_N, TAIL_K), D, stride_x, eps,
+                          CAST_BEFORE_WEIGHT, RNE_BY_BITS)
     if POS == 1:
         if has_tail:
             _fwd_row_step(x_ptr, y_ptr, w, tail_row, cols, col_mask, tail_mask, D, stride_x, eps,
@@ -153,7 +162,7 @@ def _bwd_rows_tail_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < D
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-    has_tail, tail_row, tail_mask = _tail_share(pid, M, M_MAIN, TAIL_PID0, cols, col_mask, BLOCK_N, TAIL_K)
+    has_tail, tail_row, tail_mask, tail_lo = _tail_share(pid, M, M_MAIN, TAIL_PID0, cols, col_mask, BLOCK_N, TAIL_K)
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if POS == 0:
         if has_tail:
@@ -168,7 +177,8 @@ def _bwd_rows_tail_kernel(
         for i in tl.range(0, n_main + has_tail.to(tl.int32), num_stages=NUM_STAGES):
             row64 = tl.where(i < n_main, (pid + i * tl.num_programs(0)).to(tl.int64), tail_row)
             dw_acc += _bwd_row_step(dy_ptr, x_ptr, dx_ptr, w, row64, cols, col_mask,
-                                    tl.where(i < n_main, col_mask, tail_mask), D, stride_x, eps, ROUND, RNE_BY_BITS)
+                                    _step_mask(i < n_main, tail_lo, cols, col_mask, BLOCK_N, TAIL_K), D, stride_x,
+                                    eps, ROUND, RNE_BY_BITS)
     if POS == 1:
         if has_tail:
             dw_acc += _bwd_row_step(dy_ptr, x_ptr, dx_ptr, w, tail_row, cols, col_mask, tail_mask, D, stride_x,

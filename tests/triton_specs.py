@@ -12,6 +12,11 @@ compiles each one (down to a cubin, with the ptxas that ships in Triton's wheel)
 target without a GPU and fails on any error. .ci/run does both. Launches that differ only in
 BLOCK* sizes compile once, at the largest tiles recorded (the GPU's tiles are larger than the
 tests'; a size-only error would show at the device's tiles, not these).
+
+    python tests/triton_specs.py SPEC.json --ptx
+
+prints one spec's PTX (a spec_of dict, or gpu_spec's with its "divisible" list), for tests of
+what the compiler makes of a launch (tests/test_kernel_rms_norm_ptx.py: vector stores).
 """
 from __future__ import annotations
 
@@ -111,20 +116,47 @@ def load_specs(paths: list[str]) -> tuple[list[dict], int]:
     return list(best.values()), len(distinct)
 
 
-def compile_spec(spec: dict, arch: int = 90) -> str | None:
-    """None when the kernel compiles to a cubin for sm_<arch>, else the error (its last lines)."""
+def gpu_spec(fn, names: list[str], args: tuple, kwargs: dict) -> dict:
+    """spec_of one launch as the JIT specializes it on a GPU: integers equal to 1 become constexprs,
+    and "divisible" lists the 16-byte aligned tensors and the integers that are multiples of 16 (marked
+    divisible by 16: what lets the compiler see 16-byte runs and vectorize loads and stores)."""
+    import torch
+
+    spec = spec_of(fn, names, args, kwargs)
+    values = dict(zip(names, args)) | kwargs
+    spec["divisible"] = []
+    for name in names:
+        value = values.get(name)
+        if spec["signature"][name] == "constexpr":
+            continue
+        integer = isinstance(value, int) and not isinstance(value, bool)
+        if integer and value == 1:
+            spec["signature"][name], spec["constexprs"][name] = "constexpr", 1
+        elif isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0 or integer and value % 16 == 0:
+            spec["divisible"].append(name)
+    return spec
+
+
+def _compiled(spec: dict, arch: int):
+    """spec compiled for sm_<arch>; spec["divisible"] (optional): divisibility-16 parameters."""
     import importlib
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    fn = getattr(importlib.import_module(spec["module"]), spec["name"])
+    names = fn.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec.get("divisible", [])}
+    src = ASTSource(fn=fn, signature={n: spec["signature"][n] for n in names},
+                    constexprs={(names.index(n),): v for n, v in spec["constexprs"].items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(spec["options"]))
+
+
+def compile_spec(spec: dict, arch: int = 90) -> str | None:
+    """None when the kernel compiles to a cubin for sm_<arch>, else the error (its last lines)."""
     try:
-        fn = getattr(importlib.import_module(spec["module"]), spec["name"])
-        names = fn.arg_names
-        src = ASTSource(fn=fn, signature={n: spec["signature"][n] for n in names},
-                        constexprs={(names.index(n),): v for n, v in spec["constexprs"].items()})
-        triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(spec["options"]))
+        _compiled(spec, arch)
     except Exception as exc:  # any compiler error is the finding
         return f"{type(exc).__name__}: {str(exc)[-600:]}"
     return None
@@ -137,13 +169,18 @@ def _compile_one(job: tuple[dict, int]) -> tuple[dict, str | None]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("dir", help="FXFUSE_TRITON_SPECS folder of the test run")
+    p.add_argument("dir", help="FXFUSE_TRITON_SPECS folder of the test run (with --ptx: one spec's JSON file)")
     p.add_argument("--arch", type=int, default=90, help="NVIDIA compute capability x 10 (90: H100 / H200)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--ptx", action="store_true", help="print the PTX of the one spec in the file dir")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("unset TRITON_INTERPRET: kernels imported under the interpreter cannot be compiled")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # as the device's Triton 3.6 compiles (and quiet)
+    if args.ptx:
+        with open(args.dir) as f:
+            print(_compiled(json.load(f), args.arch).asm["ptx"])
+        return 0
     specs, launches = load_specs(sorted(glob.glob(os.path.join(args.dir, "*.jsonl"))))
     if not specs:  # a recorder that never ran must not pass as "nothing failed"
         print(f"triton_specs: no specializations recorded in {args.dir}", file=sys.stderr)

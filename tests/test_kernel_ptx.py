@@ -1,0 +1,113 @@
+"""fxfuse's elementwise and row kernels as a 132-SM GPU (H100 / H200) launches them at training
+shapes, compiled for sm_90 on CPU (tests/triton_specs.py --ptx): every global load and store of
+their tensors is a 16-byte vector. A mask or stride the compiler cannot see in 16-byte runs moves 2
+bytes at a time: a select between two store masks doubled RMSNorm's fwd+bwd on the H200
+(bench/RESULTS.md, 2026-12-06)."""
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import triton_specs
+
+pytestmark = pytest.mark.interpreter
+HERE = os.path.dirname(os.path.abspath(__file__))
+BF = torch.bfloat16
+E = torch.empty
+
+
+def sm90_ptx(tmp_path, fn, names, args, kwargs) -> str:
+    """PTX of one launch, specialized as on a GPU, compiled in a process without the interpreter."""
+    spec = triton_specs.gpu_spec(fn, names, args, kwargs)
+    path = tmp_path / f"{spec['name']}.json"
+    path.write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, os.path.join(HERE, "triton_specs.py"), str(path), "--ptx"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.fixture
+def gpu_launches(monkeypatch):
+    """launches(step) -> {kernel name: (fn, arg names, args, kwargs)} of the kernels step() launches
+    on CPU tensors as on 132 SMs, recorded and not run (the tensors' values never matter)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fxfuse.kernels import _rms_norm_launch as launch
+
+    cached = (launch.fwd_launch, launch.bwd_launch, launch.bwd_split_launch)
+
+    def launches(step) -> dict:
+        seen = {}
+        monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, grid, warmup, **kwargs:
+                            seen.setdefault(self.fn.__name__, (self.fn, self.arg_names, args, kwargs)))
+        monkeypatch.setattr(launch, "num_sms", lambda device: 132)
+        for f in cached:
+            f.cache_clear()
+        step()
+        return seen
+
+    yield launches
+    monkeypatch.undo()
+    for f in cached:
+        f.cache_clear()
+
+
+def _rms(m, d):
+    from fxfuse.kernels import rms_norm as k
+
+    x, w = E(m, d, dtype=BF), E(d, dtype=BF)
+    k._rms_norm(x, w, 1e-6, 0.0, True, BF)
+    k._rms_norm_backward(x, x, w, 1e-6, 0.0, True)
+
+
+def _ops(module: str):
+    """torch.ops.fxfuse with the ops of fxfuse.kernels.<module> registered."""
+    importlib.import_module("fxfuse.kernels." + module)
+    return torch.ops.fxfuse
+
+
+def _swiglu(m, i):
+    g = E(m, i, dtype=BF)
+    _ops("swiglu").swiglu(g, g, "silu")
+    _ops("swiglu").swiglu_backward(g, g, g, "silu", True, True)
+
+
+def _swiglu_packed(m, i):
+    gu = E(m, 2 * i, dtype=BF)
+    _ops("swiglu_packed").swiglu_packed(gu, "silu", False, False)
+    _ops("swiglu_packed").swiglu_packed_backward(E(m, i, dtype=BF), gu, "silu", False, False)
+
+
+def _rope(b, t):
+    q, k, cos = E(b, 32, t, 128, dtype=BF), E(b, 8, t, 128, dtype=BF), E(b, 1, t, 128, dtype=BF)
+    _ops("rope").rope(q, k, cos, cos, False, 128)
+
+
+CASES = {  # step on training shapes, the kernels it launches
+    "rms_norm 4096x8192": (lambda: _rms(4096, 8192), ["_rms_norm_fwd_rows_kernel", "_rms_norm_bwd_kernel"]),
+    "rms_norm 16384x4096": (lambda: _rms(16384, 4096), ["_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel"]),
+    "swiglu 8192x14336": (lambda: _swiglu(8192, 14336), ["_swiglu_fwd_kernel", "_swiglu_bwd_kernel"]),
+    "swiglu_packed 8192x14336": (lambda: _swiglu_packed(8192, 14336), ["_swiglu_fwd_kernel", "_swiglu_bwd_kernel"]),
+    "rope 4x4096": (lambda: _rope(4, 4096), ["_rope_kernel"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_global_accesses_are_16_byte_vectors(tmp_path, gpu_launches, case):
+    """Every ld.global / st.global of the kernels' PTX is a .v4 (8 bf16, or 4 fp32 of RMSNorm's dw
+    partials); a scalar .b16 access is what a hidden run looks like."""
+    step, kernels = CASES[case]
+    launches = gpu_launches(step)
+    for name in kernels:
+        ptx = sm90_ptx(tmp_path, *launches[name])
+        accesses = re.findall(r"\b(?:ld|st)\.global[.\w]*", ptx)
+        assert any(a.startswith("st") for a in accesses), name
+        assert all(".v4." in a for a in accesses), (name, sorted(set(accesses)))
