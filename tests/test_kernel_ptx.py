@@ -1,8 +1,8 @@
-"""fxfuse's elementwise and row kernels as a 132-SM GPU (H100 / H200) launches them at training
-shapes, compiled for sm_90 on CPU (tests/triton_specs.py --ptx): every global load and store of
-their tensors is a 16-byte vector. A mask or stride the compiler cannot see in 16-byte runs moves 2
-bytes at a time: a select between two store masks doubled RMSNorm's fwd+bwd on the H200
-(bench/RESULTS.md, 2026-12-06)."""
+"""fxfuse's elementwise and row kernels (RMSNorm, SwiGLU in its four forms, RoPE) as a 132-SM GPU
+(H100 / H200) launches them at training shapes, compiled for sm_90 on CPU (tests/triton_specs.py
+--ptx): every global load and store of their tensors is a 16-byte vector. A mask or stride the
+compiler cannot see in 16-byte runs moves 2 bytes at a time: a select between two store masks
+doubled RMSNorm's fwd+bwd on the H200 (bench/RESULTS.md, 2026-12-06)."""
 import importlib
 import json
 import os
@@ -86,6 +86,18 @@ def _swiglu_packed(m, i):
     _ops("swiglu_packed").swiglu_packed_backward(E(m, i, dtype=BF), gu, "silu", False, False)
 
 
+def _softcapped(m, i):
+    g = E(m, i, dtype=BF)
+    _ops("softcapped_swiglu").softcapped_swiglu(g, g, 30.0, 30.0)
+    _ops("softcapped_swiglu").softcapped_swiglu_backward(g, g, g, 30.0, 30.0, True, True)
+
+
+def _clamped(m, i):
+    g = E(m, i, dtype=BF)
+    _ops("clamped_swiglu").clamped_swiglu(g, g, 1.702, 7.0)
+    _ops("clamped_swiglu").clamped_swiglu_backward(g, g, g, 1.702, 7.0, True, True)
+
+
 def _rope(b, t):
     q, k, cos = E(b, 32, t, 128, dtype=BF), E(b, 8, t, 128, dtype=BF), E(b, 1, t, 128, dtype=BF)
     _ops("rope").rope(q, k, cos, cos, False, 128)
@@ -96,6 +108,10 @@ CASES = {  # step on training shapes, the kernels it launches
     "rms_norm 16384x4096": (lambda: _rms(16384, 4096), ["_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel"]),
     "swiglu 8192x14336": (lambda: _swiglu(8192, 14336), ["_swiglu_fwd_kernel", "_swiglu_bwd_kernel"]),
     "swiglu_packed 8192x14336": (lambda: _swiglu_packed(8192, 14336), ["_swiglu_fwd_kernel", "_swiglu_bwd_kernel"]),
+    "softcapped_swiglu 65536x1024": (lambda: _softcapped(65536, 1024),
+                                     ["_softcapped_swiglu_fwd_kernel", "_softcapped_swiglu_bwd_kernel"]),
+    "clamped_swiglu 8192x2880": (lambda: _clamped(8192, 2880),
+                                 ["_clamped_swiglu_fwd_kernel", "_clamped_swiglu_bwd_kernel"]),
     "rope 4x4096": (lambda: _rope(4, 4096), ["_rope_kernel"]),
 }
 
