@@ -16,7 +16,7 @@ tests'; a size-only error would show at the device's tiles, not these).
     python tests/triton_specs.py SPEC.json --ptx
 
 prints one spec's PTX (a spec_of dict, or gpu_spec's with its "divisible" list), for tests of
-what the compiler makes of a launch (tests/test_kernel_rms_norm_ptx.py: vector stores).
+what the compiler makes of a launch (tests/test_kernel_ptx.py: 16-byte vector accesses).
 """
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def gpu_spec(fn, names: list[str], args: tuple, kwargs: dict) -> dict:
         integer = isinstance(value, int) and not isinstance(value, bool)
         if integer and value == 1:
             spec["signature"][name], spec["constexprs"][name] = "constexpr", 1
-        elif isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0 or integer and value % 16 == 0:
+        elif (isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0) or (integer and value % 16 == 0):
             spec["divisible"].append(name)
     return spec
 
