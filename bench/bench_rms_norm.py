@@ -2,6 +2,7 @@
 
     python bench/bench_rms_norm.py                       # bf16 16384x4096 and 4096x8192
     python bench/bench_rms_norm.py --shapes 8192x2048 --dtype fp16 --mode gemma
+    python bench/bench_rms_norm.py --cuda-graph --providers fxfuse --pdl off   # A/B of the dw kernel's launch
 """
 from __future__ import annotations
 
@@ -76,12 +77,17 @@ def _fwd_bwd(fn, x, w, dy):
 
 def run(args) -> list[Row]:
     dtype = DTYPES[args.dtype]
+    if args.pdl == "off":
+        from fxfuse.kernels import _rms_norm_launch as launch
+
+        launch.dw_pdl = lambda device: False  # the dw reduction launched after the backward's memory flush
     ceiling = copy_ceiling_gbps()
     print(f"copy ceiling: {ceiling:.0f} GB/s", flush=True)
     rows: list[Row] = []
     for shape in args.shapes:
         m, d = (int(s) for s in shape.lower().split("x"))
         case = f"rms_norm {args.mode} {args.dtype} {m}x{d}" + (" cg" if args.cuda_graph else "")
+        case += " pdl-off" if args.pdl == "off" else ""
         gen = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(m, d, device="cuda", dtype=dtype, generator=gen).requires_grad_()
         w_init = 1.0 if args.mode == "llama" else 0.0
@@ -132,6 +138,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time CUDA-graph replays of fwd+bwd (GPU time only, no CPU dispatch/launch overhead)")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    parser.add_argument("--pdl", choices=["on", "off"], default="on",
+                        help="fxfuse's dw reduction is a programmatic dependent launch on sm_90+ (launch.dw_pdl)")
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ cd /tmp
 run() { local name=$1; shift; echo "== $name $*"; timeout "${BENCH_TIMEOUT:-240}" python3 "$repo/bench/bench_$name.py" "$@" 2>&1 | tee -a "$out/bench_$name.log" | grep -v Warning; }
 sel=("$@")
 has() { [ ${#sel[@]} -eq 0 ] || [[ " ${sel[*]} " == *" $1 "* ]]; }
-has rms_norm && run rms_norm --cuda-graph
+has rms_norm && run rms_norm --cuda-graph && run rms_norm --cuda-graph --providers fxfuse --pdl off
 has swiglu && run swiglu && run swiglu --cuda-graph && run swiglu --chunked --shapes 16384x8192 --cuda-graph \
   && run swiglu --act clamped_swiglu --shapes 65536x2880 16384x2880 \
   && run swiglu --act clamped_swiglu --shapes 65536x2880 16384x2880 --cuda-graph

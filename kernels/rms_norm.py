@@ -25,7 +25,8 @@ dw term are rounded to dy's dtype as eager's bf16 ``w * xhat.to(dtype)`` backwar
     g = rnd(float32(dy) * w'),   dw = sum over rows of rnd(float32(dy) * rnd(xhat))
 dw is reduced without atomics (deterministic): each program of the persistent backward grid keeps
 an fp32 [D] partial sum in registers over its rows and writes it to partial[pid, :]; a second small
-kernel sums the [P, D] partials over P (a fixed tree per column) and rounds to weight.dtype.
+kernel sums the [P, D] partials over P (a fixed tree per column) and rounds to weight.dtype; on
+sm_90+ it is a programmatic dependent launch (launch.dw_pdl) that waits for the partials on the GPU.
 
 Launch (kernels/_rms_norm_launch.py): the forward runs one program per tile of rows, or, for rows
 of 8K+ elements, a persistent grid of 1-D row steps whose loop loads the next rows while one is
@@ -148,7 +149,10 @@ def _rms_norm_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,  # the dw reduction is launched dependent: let its blocks launch now
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -195,7 +199,10 @@ def _dw_reduce_kernel(
     RNE_BY_BITS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched dependent on the backward: wait until its partials are written
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     # BLOCK_D columns per program; the [BLOCK_P, BLOCK_D] tiles are summed elementwise and reduced
     # once at the end, so the loads of a column block do not wait on each other (latency-bound).
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -298,14 +305,15 @@ def _rms_norm_backward(
             dy2, x2, w, dx, partial, m, d, x2.stride(0), eps, offset,
             HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, ROUND=round_, RNE_BY_BITS=rne_by_bits(x.device),
             INDEPENDENT_SUMS=launch.bwd_independent_sums(block_n), BLOCK_M=block_m, BLOCK_N=block_n,
-            NUM_STAGES=num_stages, num_warps=num_warps,
+            NUM_STAGES=num_stages, num_warps=num_warps, PDL=compute_dw and launch.dw_pdl(x.device),
         )
     if not compute_dw:
         return dx, x.new_empty((0,))
     dw = torch.empty((d,), dtype=weight.dtype, device=x.device)
     programs, block_p, block_d = launch.dw_launch(grid, d)
+    pdl = launch.dw_pdl(x.device)  # after the split backward too, whose kernels trigger it at their exit
     _dw_reduce_kernel[(programs,)](partial, dw, grid, d, RNE_BY_BITS=rne_by_bits(x.device), BLOCK_P=block_p,
-                                   BLOCK_D=block_d)
+                                   BLOCK_D=block_d, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     return dx, dw
 
 

@@ -256,6 +256,34 @@ def test_rms_norm_wide_rows(dtype, rows, d):
         assert err(a) <= bound, (name, err(a), err(b))
 
 
+@pytest.mark.parametrize("rows,d", [(4096, 8192), (16384, 4096), (2048, 24576), (3, 200)])
+def test_rms_norm_dw_pdl_is_bit_equal_on_cuda(monkeypatch, rows, d):
+    """The dw reduction as a programmatic dependent launch (launch.dw_pdl, sm_90+; after the row
+    backward, which triggers it at its start, and after the split backward, which does not) reads
+    the finished partials: dw bit for bit as a plain launch gives it, repeated in CUDA-graph replays."""
+    from fxfuse.kernels import _rms_norm_launch as launch
+    from fxfuse.kernels.rms_norm import rms_norm_backward
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    assert launch.dw_pdl(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = (2 * torch.randn(rows, d, device="cuda", generator=g)).bfloat16()
+    w = (1 + 0.3 * torch.randn(d, device="cuda", generator=g)).bfloat16()
+    dy = torch.randn(rows, d, device="cuda", generator=g).bfloat16()
+    dependent = rms_norm_backward(dy, x, w, 1e-6, 0.0, True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = rms_norm_backward(dy, x, w, 1e-6, 0.0, True)
+    monkeypatch.setattr(launch, "dw_pdl", lambda device: False)
+    plain = rms_norm_backward(dy, x, w, 1e-6, 0.0, True)
+    for _ in range(3):
+        replayed[1].zero_()
+        graph.replay()
+        assert torch.equal(replayed[1], plain[1])
+    assert torch.equal(dependent[0], plain[0]) and torch.equal(dependent[1], plain[1])
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["halves", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 7), (199, 1030), (4096, 1536)])

@@ -60,12 +60,19 @@ def gpu_launches(monkeypatch):
         f.cache_clear()
 
 
-def _rms(m, d):
+def _rms(m, d, pdl=True):
+    """pdl: the dw reduction a programmatic dependent launch, as on sm_90+ (launch.dw_pdl); False: as before."""
+    from fxfuse.kernels import _rms_norm_launch as launch
     from fxfuse.kernels import rms_norm as k
 
     x, w = E(m, d, dtype=BF), E(d, dtype=BF)
-    k._rms_norm(x, w, 1e-6, 0.0, True, BF)
-    k._rms_norm_backward(x, x, w, 1e-6, 0.0, True)
+    shipped = launch.dw_pdl
+    launch.dw_pdl = lambda device: pdl
+    try:
+        k._rms_norm(x, w, 1e-6, 0.0, True, BF)
+        k._rms_norm_backward(x, x, w, 1e-6, 0.0, True)
+    finally:
+        launch.dw_pdl = shipped
 
 
 def _ops(module: str):
@@ -104,8 +111,11 @@ def _rope(b, t):
 
 
 CASES = {  # step on training shapes, the kernels it launches
-    "rms_norm 4096x8192": (lambda: _rms(4096, 8192), ["_rms_norm_fwd_rows_kernel", "_rms_norm_bwd_kernel"]),
-    "rms_norm 16384x4096": (lambda: _rms(16384, 4096), ["_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel"]),
+    "rms_norm 4096x8192": (lambda: _rms(4096, 8192),
+                           ["_rms_norm_fwd_rows_kernel", "_rms_norm_bwd_kernel", "_dw_reduce_kernel"]),
+    "rms_norm 4096x8192 no pdl": (lambda: _rms(4096, 8192, pdl=False), ["_rms_norm_bwd_kernel", "_dw_reduce_kernel"]),
+    "rms_norm 16384x4096": (lambda: _rms(16384, 4096),
+                            ["_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_dw_reduce_kernel"]),
     "swiglu 8192x14336": (lambda: _swiglu(8192, 14336), ["_swiglu_fwd_kernel", "_swiglu_bwd_kernel"]),
     "swiglu_packed 8192x14336": (lambda: _swiglu_packed(8192, 14336), ["_swiglu_fwd_kernel", "_swiglu_bwd_kernel"]),
     "softcapped_swiglu 65536x1024": (lambda: _softcapped(65536, 1024),
@@ -119,11 +129,20 @@ CASES = {  # step on training shapes, the kernels it launches
 @pytest.mark.parametrize("case", list(CASES))
 def test_global_accesses_are_16_byte_vectors(tmp_path, gpu_launches, case):
     """Every ld.global / st.global of the kernels' PTX is a .v4 (8 bf16, or 4 fp32 of RMSNorm's dw
-    partials); a scalar .b16 access is what a hidden run looks like."""
+    partials); a scalar .b16 access is what a hidden run looks like. RMSNorm's backward kernels hold
+    griddepcontrol exactly where the dw reduction is a programmatic dependent launch."""
     step, kernels = CASES[case]
     launches = gpu_launches(step)
+    pdl = {}  # kernel name -> the griddepcontrol instruction its PTX must hold
+    if "_dw_reduce_kernel" in kernels:
+        on = "no pdl" not in case
+        assert launches["_dw_reduce_kernel"][3].get("launch_pdl", False) == on, case
+        pdl = {"_rms_norm_bwd_kernel": "launch_dependents", "_dw_reduce_kernel": "wait"} if on else {}
     for name in kernels:
         ptx = sm90_ptx(tmp_path, *launches[name])
         accesses = re.findall(r"\b(?:ld|st)\.global[.\w]*", ptx)
         assert any(a.startswith("st") for a in accesses), name
+        if name == "_dw_reduce_kernel":  # its store is dw [D] (16 KB), one column a thread after the reduction
+            accesses = [a for a in accesses if a.startswith("ld")]
         assert all(".v4." in a for a in accesses), (name, sorted(set(accesses)))
+        assert ("griddepcontrol." + pdl[name] in ptx if name in pdl else "griddepcontrol" not in ptx), name
