@@ -268,3 +268,16 @@ def test_probe_tail_split_matches_the_shipped_kernels(m, tail_k, dtype):
     probe = load_script("bench", "probe_rms_tail")
     _, bad = probe.split_cases(m, 8192, dtype, "cpu", tail_k)
     assert bad == []
+
+
+@pytest.mark.parametrize("device,hip,capability,expect", [
+    ("cpu", None, None, False), ("cuda", None, (9, 0), True), ("cuda", None, (10, 0), True),
+    ("cuda", None, (8, 9), False), ("cuda", "6.2", (9, 4), False)], ids=["cpu", "sm90", "sm100", "sm89", "rocm"])
+def test_dw_pdl_only_where_griddepcontrol_exists(monkeypatch, device, hip, capability, expect):
+    """The dw reduction is a programmatic dependent launch on NVIDIA sm_90+ only: not on CPU (the
+    interpreter), older cards, or ROCm, whose MI300 reports capability 9.4."""
+    from fxfuse.kernels import _rms_norm_launch as launch
+
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: capability)
+    assert launch.dw_pdl.__wrapped__(torch.device(device)) is expect
