@@ -292,6 +292,7 @@ def _rms_norm_backward(
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     w = weight.contiguous() if weight is not None else x2
     round_ = round_code(dy.dtype, eager_rounding and weight is not None)
+    pdl = compute_dw and launch.dw_pdl(x.device)  # the dw reduction waits on the GPU (split backward: exit trigger)
     split = launch.bwd_split_launch(m, d, x.element_size(), x.device)
     if split is not None:
         grid = split[0]  # row groups: one [D] partial each
@@ -305,13 +306,12 @@ def _rms_norm_backward(
             dy2, x2, w, dx, partial, m, d, x2.stride(0), eps, offset,
             HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, ROUND=round_, RNE_BY_BITS=rne_by_bits(x.device),
             INDEPENDENT_SUMS=launch.bwd_independent_sums(block_n), BLOCK_M=block_m, BLOCK_N=block_n,
-            NUM_STAGES=num_stages, num_warps=num_warps, PDL=compute_dw and launch.dw_pdl(x.device),
+            NUM_STAGES=num_stages, num_warps=num_warps, PDL=pdl,
         )
     if not compute_dw:
         return dx, x.new_empty((0,))
     dw = torch.empty((d,), dtype=weight.dtype, device=x.device)
     programs, block_p, block_d = launch.dw_launch(grid, d)
-    pdl = launch.dw_pdl(x.device)  # after the split backward too, whose kernels trigger it at their exit
     _dw_reduce_kernel[(programs,)](partial, dw, grid, d, RNE_BY_BITS=rne_by_bits(x.device), BLOCK_P=block_p,
                                    BLOCK_D=block_d, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     return dx, dw
