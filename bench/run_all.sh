@@ -55,8 +55,9 @@ if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" gpu_tests "* ]]; then  # from 
   # tests import tests.helpers: a folder holding only a link to tests/, so the repo's fxfuse/ source
   # folder (not the installed layout) never lands on the path
   mkdir -p /tmp/testroot && ln -sfn "$repo/tests" /tmp/testroot/tests
-  # one process per file, all at once, each within BENCH_TIMEOUT; their tails printed in order
-  files=(test_gpu_kernels test_kernel_linear_cross_entropy_numerics test_checkpoint test_opaque test_zoo_gpu)
+  # every file with a gpu mark (a fixed list had left one out), one process per file, all at once,
+  # each within BENCH_TIMEOUT; their tails printed in order
+  mapfile -t files < <(cd "$repo/tests" && grep -l 'mark\.gpu' test_*.py | sed 's/\.py$//')
   for t in "${files[@]}"; do
     PYTHONPATH=$PYTHONPATH:/tmp/testroot FXFUSE_TEST_DEVICE=cuda timeout "${BENCH_TIMEOUT:-240}" python3 -m pytest -q \
       -p no:cacheprovider -m gpu "$repo/tests/$t.py" > "$out/gpu_$t.log" 2>&1 &
