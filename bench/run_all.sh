@@ -33,10 +33,23 @@ cd /tmp
   date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton, liger_kernel, importlib.metadata as m; print('torch', torch.__version__, 'triton', triton.__version__, 'liger', m.version('liger-kernel'))"
 } 2>&1 | tee "$out/env.log"
-run() { local name=$1; shift; echo "== $name $*"; timeout "${BENCH_TIMEOUT:-240}" python3 "$repo/bench/bench_$name.py" "$@" 2>&1 | tee -a "$out/bench_$name.log" | grep -v Warning; }
+# a step's exit status (a pipeline's first command: 124 where timeout stopped it) said, and the script's own at
+# the end: a step that failed or ran out of time must not read as a finished run
+failed=0
+said() {
+  [ "$1" -eq 0 ] && return 0
+  echo "!! $2: exit $1$([ "$1" -eq 124 ] && echo ', timed out')"; failed=1
+}
+run() {
+  local name=$1; shift; echo "== $name $*"
+  timeout "${BENCH_TIMEOUT:-240}" python3 "$repo/bench/bench_$name.py" "$@" 2>&1 | tee -a "$out/bench_$name.log" \
+    | grep -v Warning
+  said "${PIPESTATUS[0]}" "bench_$name $*"
+}
 sel=("$@")
 has() { [ ${#sel[@]} -eq 0 ] || [[ " ${sel[*]} " == *" $1 "* ]]; }
-has rms_norm && run rms_norm --cuda-graph && run rms_norm --cuda-graph --providers fxfuse --pdl off
+has rms_norm && run rms_norm --cuda-graph && run rms_norm --cuda-graph --providers fxfuse --pdl off \
+  && run rms_norm --cuda-graph --shapes 8192x2048 8192x1536 4096x2304  # e2e models: Llama, Qwen2, Gemma2
 has swiglu && run swiglu && run swiglu --cuda-graph && run swiglu --chunked --shapes 16384x8192 --cuda-graph \
   && run swiglu --act clamped_swiglu --shapes 65536x2880 16384x2880 \
   && run swiglu --act clamped_swiglu --shapes 65536x2880 16384x2880 --cuda-graph
@@ -47,7 +60,9 @@ has linear_cross_entropy && run linear_cross_entropy \
 has nanochat && run nanochat
 for script in tune_rms_norm probe_rms_norm; do  # sweeps and probes, only when named
   if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" $script "* ]]; then
-    echo "== $script"; timeout "${BENCH_TIMEOUT:-240}" python3 "$repo/bench/$script.py" 2>&1 | tee -a "$out/$script.log" | grep -v Warning
+    echo "== $script"
+    timeout "${BENCH_TIMEOUT:-240}" python3 "$repo/bench/$script.py" 2>&1 | tee -a "$out/$script.log" | grep -v Warning
+    said "${PIPESTATUS[0]}" "$script"
   fi
 done
 if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" gpu_tests "* ]]; then  # from /tmp: the installed package
@@ -58,24 +73,30 @@ if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" gpu_tests "* ]]; then  # from 
   # every file with a gpu mark (a fixed list had left one out), one process per file, all at once,
   # each within BENCH_TIMEOUT; their tails printed in order
   mapfile -t files < <(cd "$repo/tests" && grep -l 'mark\.gpu' test_*.py | sed 's/\.py$//')
+  pids=()
   for t in "${files[@]}"; do
     PYTHONPATH=$PYTHONPATH:/tmp/testroot FXFUSE_TEST_DEVICE=cuda timeout "${BENCH_TIMEOUT:-240}" python3 -m pytest -q \
       -p no:cacheprovider -m gpu "$repo/tests/$t.py" > "$out/gpu_$t.log" 2>&1 &
+    pids+=($!)
   done
-  wait
-  for t in "${files[@]}"; do echo "-- $t"; tail -3 "$out/gpu_$t.log"; done
+  for i in "${!files[@]}"; do
+    wait "${pids[$i]}"; rc=$?
+    echo "-- ${files[$i]}"; tail -3 "$out/gpu_${files[$i]}.log"; said $rc "${files[$i]}"
+  done
 fi
 if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" e2e "* ]]; then
   echo "== e2e ${E2E_MODELS:-all models}"
   # shellcheck disable=SC2086
   timeout "${E2E_TIMEOUT:-570}" python3 "$repo/bench/e2e.py" ${E2E_MODELS:+--models "$E2E_MODELS"} ${E2E_ARGS:-} \
     --out "$out/e2e" 2>&1 | tee -a "$out/e2e.log" | grep -v Warning
+  said "${PIPESTATUS[0]}" "e2e"
 fi
 if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" fsdp2 "* ]]; then
   for impl in ${FSDP_IMPLS:-eager inductor liger fxfuse}; do
     echo "== fsdp2 $impl"
     timeout "${FSDP_TIMEOUT:-240}" python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
       "$repo/examples/fsdp2_bench.py" --impl "$impl" ${FSDP_ARGS:-} 2>&1 | tee -a "$out/fsdp2.log" | grep -v Warning
+    said "${PIPESTATUS[0]}" "fsdp2 $impl"
   done
 fi
 if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" zoo "* ]]; then
@@ -92,3 +113,5 @@ if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" zoo "* ]]; then
   awk '/^=== /{if (m) print m, v; m=$2; v="no verdict (see zoo.log)"} /^  (PASS|NOT PASSED)/{v=$0} END{print m, v}' \
     "$out/zoo.log"
 fi
+[ "$failed" -eq 0 ] || echo "!! some steps failed or timed out (lines starting with !! above)"
+exit $failed

@@ -192,6 +192,8 @@ def test_fxfuse_option_end_to_end(tmp_path):
     assert "1st step: the first training step, compile included (empty compile caches per mode)" in proc.stdout
     first = f"{fx['step_times_s'][0]:.1f}"
     assert f"| fxfuse | {first} | {fx['step_time_ms']:.1f} |" in e2e.markdown(audit)
+    table = [line for line in e2e.markdown(audit).splitlines() if line.startswith("|")]
+    assert len(table) == 3 and len({line.count("|") for line in table}) == 1, table  # header, rule, fxfuse
 
 
 def test_cold_compile_gives_each_worker_empty_caches(monkeypatch):
