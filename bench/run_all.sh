@@ -40,14 +40,19 @@ said() {
   [ "$1" -eq 0 ] && return 0
   echo "!! $2: exit $1$([ "$1" -eq 124 ] && echo ', timed out')"; failed=1
 }
+# logged LOG NAME SECONDS CMD...: CMD within SECONDS, its output appended to LOG and shown without warnings
+logged() {
+  local log=$1 name=$2 limit=$3; shift 3
+  timeout "$limit" "$@" 2>&1 | tee -a "$log" | grep -v Warning
+  said "${PIPESTATUS[0]}" "$name"
+}
 run() {
   local name=$1; shift; echo "== $name $*"
-  timeout "${BENCH_TIMEOUT:-240}" python3 "$repo/bench/bench_$name.py" "$@" 2>&1 | tee -a "$out/bench_$name.log" \
-    | grep -v Warning
-  said "${PIPESTATUS[0]}" "bench_$name $*"
+  logged "$out/bench_$name.log" "bench_$name $*" "${BENCH_TIMEOUT:-240}" python3 "$repo/bench/bench_$name.py" "$@"
 }
 sel=("$@")
-has() { [ ${#sel[@]} -eq 0 ] || [[ " ${sel[*]} " == *" $1 "* ]]; }
+has() { [ ${#sel[@]} -eq 0 ] || [[ " ${sel[*]} " == *" $1 "* ]]; }  # named, or nothing named
+named() { [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" $1 "* ]]; }  # only when named
 has rms_norm && run rms_norm --cuda-graph && run rms_norm --cuda-graph --providers fxfuse --pdl off \
   && run rms_norm --cuda-graph --shapes 8192x2048 8192x1536 4096x2304  # e2e models: Llama, Qwen2, Gemma2
 has swiglu && run swiglu && run swiglu --cuda-graph && run swiglu --chunked --shapes 16384x8192 --cuda-graph \
@@ -59,13 +64,12 @@ has linear_cross_entropy && run linear_cross_entropy \
      fxfuse-compiled-lean
 has nanochat && run nanochat
 for script in tune_rms_norm probe_rms_norm; do  # sweeps and probes, only when named
-  if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" $script "* ]]; then
+  if named $script; then
     echo "== $script"
-    timeout "${BENCH_TIMEOUT:-240}" python3 "$repo/bench/$script.py" 2>&1 | tee -a "$out/$script.log" | grep -v Warning
-    said "${PIPESTATUS[0]}" "$script"
+    logged "$out/$script.log" "$script" "${BENCH_TIMEOUT:-240}" python3 "$repo/bench/$script.py"
   fi
 done
-if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" gpu_tests "* ]]; then  # from /tmp: the installed package
+if named gpu_tests; then  # from /tmp: the installed package
   echo "== gpu_tests"
   # tests import tests.helpers: a folder holding only a link to tests/, so the repo's fxfuse/ source
   # folder (not the installed layout) never lands on the path
@@ -84,22 +88,20 @@ if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" gpu_tests "* ]]; then  # from 
     echo "-- ${files[$i]}"; tail -3 "$out/gpu_${files[$i]}.log"; said $rc "${files[$i]}"
   done
 fi
-if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" e2e "* ]]; then
+if named e2e; then
   echo "== e2e ${E2E_MODELS:-all models}"
   # shellcheck disable=SC2086
-  timeout "${E2E_TIMEOUT:-570}" python3 "$repo/bench/e2e.py" ${E2E_MODELS:+--models "$E2E_MODELS"} ${E2E_ARGS:-} \
-    --out "$out/e2e" 2>&1 | tee -a "$out/e2e.log" | grep -v Warning
-  said "${PIPESTATUS[0]}" "e2e"
+  logged "$out/e2e.log" e2e "${E2E_TIMEOUT:-570}" python3 "$repo/bench/e2e.py" ${E2E_MODELS:+--models "$E2E_MODELS"} \
+    ${E2E_ARGS:-} --out "$out/e2e"
 fi
-if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" fsdp2 "* ]]; then
+if named fsdp2; then
   for impl in ${FSDP_IMPLS:-eager inductor liger fxfuse}; do
     echo "== fsdp2 $impl"
-    timeout "${FSDP_TIMEOUT:-240}" python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
-      "$repo/examples/fsdp2_bench.py" --impl "$impl" ${FSDP_ARGS:-} 2>&1 | tee -a "$out/fsdp2.log" | grep -v Warning
-    said "${PIPESTATUS[0]}" "fsdp2 $impl"
+    logged "$out/fsdp2.log" "fsdp2 $impl" "${FSDP_TIMEOUT:-240}" python3 -m torch.distributed.run --standalone \
+      --nproc_per_node 2 "$repo/examples/fsdp2_bench.py" --impl "$impl" ${FSDP_ARGS:-}
   done
 fi
-if [ ${#sel[@]} -gt 0 ] && [[ " ${sel[*]} " == *" zoo "* ]]; then
+if named zoo; then
   every="from fxfuse.zoo import HF_ZOO; from fxfuse.zoo_vlm import VLMS; print(' '.join([*HF_ZOO, *VLMS]))"
   models=${ZOO_MODELS:-$(python3 -c "$every")}
   echo "== zoo on cuda, inner ${ZOO_INNER:-aot_eager}: $models"

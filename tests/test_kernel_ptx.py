@@ -66,13 +66,10 @@ def _rms(m, d, pdl=True):
     from fxfuse.kernels import rms_norm as k
 
     x, w = E(m, d, dtype=BF), E(d, dtype=BF)
-    shipped = launch.dw_pdl
-    launch.dw_pdl = lambda device: pdl
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "dw_pdl", lambda device: pdl)
         k._rms_norm(x, w, 1e-6, 0.0, True, BF)
         k._rms_norm_backward(x, x, w, 1e-6, 0.0, True)
-    finally:
-        launch.dw_pdl = shipped
 
 
 def _ops(module: str):
