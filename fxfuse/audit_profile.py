@@ -71,8 +71,10 @@ def _own_or_enclosing(evt) -> str | None:
     return None
 
 
-def attribute(events, cuda: bool) -> tuple[dict, dict, float]:
-    """(ms per pattern, ms per op or kernel name, total ms) over profiler FunctionEvents.
+def attribute(events, cuda: bool) -> tuple[dict, dict, float, dict]:
+    """(ms per pattern, ms per op or kernel name, total ms, what each pattern's ms is made of) over
+    profiler FunctionEvents. The last maps pattern -> {kernel or op name: [ms, calls]}; a kernel
+    counted for its launching op's pattern is named "kernel (in op)".
 
     CUDA: the total is every device event (kernels, memcpy, memset); a kernel counts for its own
     name's pattern, else for the pattern of the op that launched it (or an op enclosing that one).
@@ -80,6 +82,13 @@ def attribute(events, cuda: bool) -> tuple[dict, dict, float]:
     from torch.autograd import DeviceType
 
     per_pattern, per_name, total = defaultdict(float), defaultdict(float), 0.0
+    parts = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+
+    def count(cat, name, ms):
+        per_pattern[cat] += ms
+        parts[cat][name][0] += ms
+        parts[cat][name][1] += 1
+
     for evt in events:
         if evt.is_async:
             continue
@@ -89,20 +98,20 @@ def attribute(events, cuda: bool) -> tuple[dict, dict, float]:
             per_name[evt.name] += ms
             cat = category(evt.name)
             if cat:
-                per_pattern[cat] += ms
+                count(cat, evt.name, ms)
         elif cuda:
-            unnamed = [k.duration for k in evt.kernels if category(k.name) is None]
+            unnamed = [k for k in evt.kernels if category(k.name) is None]
             cat = _own_or_enclosing(evt) if unnamed and not evt.is_legacy else None
-            if cat:
-                per_pattern[cat] += sum(unnamed) / 1e3
+            for k in unnamed if cat else ():
+                count(cat, f"{k.name} (in {evt.name})", k.duration / 1e3)
         else:
             ms = evt.self_cpu_time_total / 1e3
             total += ms
             per_name[evt.name] += ms
             cat = _own_or_enclosing(evt)
             if cat:
-                per_pattern[cat] += ms
-    return dict(per_pattern), dict(per_name), total
+                count(cat, evt.name, ms)
+    return dict(per_pattern), dict(per_name), total, {c: dict(v) for c, v in parts.items()}
 
 
 def profile_shares(call, opt, data, first_batch: int, steps: int, cuda: bool, step_fn) -> dict:
@@ -115,7 +124,7 @@ def profile_shares(call, opt, data, first_batch: int, steps: int, cuda: bool, st
     with profile(activities=acts) as prof:
         for i in range(steps):
             step_fn(call, opt, data(first_batch + i)).item()
-    per_pattern, per_name, total = attribute(prof.events(), cuda)
+    per_pattern, per_name, total, parts = attribute(prof.events(), cuda)
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:12]
     return {
         "time_source": "GPU kernel time" if cuda else "self CPU time",
@@ -125,6 +134,9 @@ def profile_shares(call, opt, data, first_batch: int, steps: int, cuda: bool, st
         "share": {p: per_pattern.get(p, 0.0) / total if total else 0.0 for p in PATTERN_NAMES},
         "target_share": sum(per_pattern.values()) / total if total else 0.0,
         "top_ops": [{"name": n, "ms": ms, "pattern": category(n)} for n, ms in top],
+        "pattern_parts": {p: [{"name": n, "ms": ms, "calls": calls}
+                              for n, (ms, calls) in sorted(v.items(), key=lambda kv: -kv[1][0])[:8]]
+                          for p, v in parts.items()},
     }
 
 

@@ -37,6 +37,11 @@ def options_text(a: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in fxfuse_options(a).items())
 
 
+def _short(name: str, width: int = 60) -> str:
+    """A kernel name cut to width characters (ATen's templated kernel names run to hundreds)."""
+    return name if len(name) <= width else name[:width - 3] + "..."
+
+
 def _f(v, fmt: str) -> str:
     """format(v, fmt), or "-" padded to the same width when v is missing."""
     width = int("".join(c for c in fmt.split(".")[0] if c.isdigit()) or 0)
@@ -104,6 +109,9 @@ def render(audit: dict) -> str:
             parts = ", ".join(f"{p} {prof['ms'][p]:.1f} ms ({prof['share'][p] * 100:.1f}%)" for p in prof["ms"])
             lines.append(f"target ops, {mode} ({prof['time_source']}, {prof['steps']} steps, "
                          f"{prof['total_ms']:.1f} ms): {parts}")
+            for pattern, items in prof.get("pattern_parts", {}).items():
+                lines.append(f"    {pattern}: " + ", ".join(
+                    f"{_short(i['name'])} {i['ms']:.1f} ms / {i['calls']}" for i in items))
     for mode, r in results.items():
         if r.get("memory_peak"):
             lines += ["", *render_peak(mode, r["memory_peak"])]

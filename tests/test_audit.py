@@ -48,6 +48,10 @@ def test_audit_command_eager_vs_fxfuse(tmp_path):
         assert r["step_time_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_allocated_mib"] > 50
         assert len(r["mem_curve_mib"]) == STEPS and r["peak_reserved_mib"] is None  # CPU: RSS only
         assert 0 < r["profile"]["target_share"] <= 1
+        parts = r["profile"]["pattern_parts"]["rms_norm"]  # what the rms_norm time is made of
+        assert sum(p["ms"] for p in parts) <= r["profile"]["ms"]["rms_norm"] + 1e-9 and parts[0]["calls"] > 0
+    assert any(p["name"] == "fxfuse::rms_norm" for p in fx["profile"]["pattern_parts"]["rms_norm"])
+    assert "    rms_norm: " in proc.stdout
     assert eager["report"] is None
 
     model = build_model("llama", {}, True, torch.float32, "cpu", seed=0)

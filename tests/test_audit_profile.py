@@ -48,9 +48,12 @@ def test_attribution_of_gpu_kernels():
     events = [step, cpu("fxfuse::rms_norm", [("_rms_norm_fwd_kernel", 40), ("vectorized_copy", 30)], step),
               cpu("aten::mm", [("sm90_gemm", 100)], step),
               gpu("_rms_norm_fwd_kernel", 40), gpu("vectorized_copy", 30), gpu("sm90_gemm", 100)]
-    per_pattern, per_name, total = attribute(events, cuda=True)
+    per_pattern, per_name, total, parts = attribute(events, cuda=True)
     assert per_pattern.keys() == {"rms_norm"} and per_pattern["rms_norm"] == pytest.approx(0.07)
     assert total == pytest.approx(0.17) and per_name["sm90_gemm"] == pytest.approx(0.1)
+    assert parts.keys() == {"rms_norm"}
+    assert parts["rms_norm"] == {"_rms_norm_fwd_kernel": [pytest.approx(0.04), 1],
+                                 "vectorized_copy (in fxfuse::rms_norm)": [pytest.approx(0.03), 1]}
 
 
 def test_memory_peak_replays_the_allocator_trace():
