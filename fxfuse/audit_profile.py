@@ -20,8 +20,12 @@ Liger the share is an upper bound of the same work. An Inductor kernel fused acr
 for the first one listed. Optimizer ops (AdamW's _foreach_pow, ...) never count. Time inside an op counts for the nearest enclosing op that has a pattern
 (the CPU reference of a fused op calls generic ATen ops; they count for the fused op).
 
-Time source: on CUDA, GPU time (the sum of every kernel, memcpy and memset; each kernel attributed
-by its own name, else by the op that launched it); on CPU, self CPU time of every profiled op.
+Time source: on CUDA, GPU time (every kernel, memcpy and memset; each kernel attributed by its own
+name, else by the op that launched it); on CPU, self CPU time of every profiled op. Device time that
+two events share counts once, for the one that started first (``exclusive_ms``): a programmatic
+dependent launch (fxfuse's RMSNorm dw reduction on sm_90+) starts while its primary kernel runs and
+waits for it; counting its whole span had shown fxfuse's RMSNorm backward at twice its time
+(bench/RESULTS.md, 2026-12-06, fortieth session).
 """
 from __future__ import annotations
 
@@ -71,13 +75,26 @@ def _own_or_enclosing(evt) -> str | None:
     return None
 
 
+def exclusive_ms(device_events) -> dict:
+    """id(event) -> ms of its span not already covered by an event that started earlier on the same
+    device (the union of all spans is the sum of these)."""
+    covered, out = {}, {}
+    for evt in sorted(device_events, key=lambda e: (e.time_range.start, e.time_range.end)):
+        start, end = evt.time_range.start, evt.time_range.end
+        until = covered.get(evt.device_index, start)
+        out[id(evt)] = max(0.0, end - max(start, until)) / 1e3
+        covered[evt.device_index] = max(until, end)
+    return out
+
+
 def attribute(events, cuda: bool) -> tuple[dict, dict, float, dict]:
     """(ms per pattern, ms per op or kernel name, total ms, what each pattern's ms is made of) over
     profiler FunctionEvents. The last maps pattern -> {kernel or op name: [ms, calls]}; a kernel
     counted for its launching op's pattern is named "kernel (in op)".
 
-    CUDA: the total is every device event (kernels, memcpy, memset); a kernel counts for its own
-    name's pattern, else for the pattern of the op that launched it (or an op enclosing that one).
+    CUDA: the total is the device time of every device event (kernels, memcpy, memset; overlaps once:
+    exclusive_ms); a kernel counts for its own name's pattern, else for the pattern of the op that
+    launched it (or an op enclosing that one).
     CPU: self CPU time of every op, counted for its own or its nearest enclosing op's pattern."""
     from torch.autograd import DeviceType
 
@@ -89,11 +106,17 @@ def attribute(events, cuda: bool) -> tuple[dict, dict, float, dict]:
         parts[cat][name][0] += ms
         parts[cat][name][1] += 1
 
+    device = [e for e in events if cuda and not e.is_async and e.device_type != DeviceType.CPU]
+    exclusive = exclusive_ms(device)
+    # An op's kernels are copies (name, duration) of device events: find each one's exclusive ms.
+    launched = defaultdict(list)
+    for e in device:
+        launched[e.name, e.time_range.end - e.time_range.start].append(exclusive[id(e)])
     for evt in events:
         if evt.is_async:
             continue
         if cuda and evt.device_type != DeviceType.CPU:
-            ms = evt.time_range.elapsed_us() / 1e3
+            ms = exclusive[id(evt)]
             total += ms
             per_name[evt.name] += ms
             cat = category(evt.name)
@@ -103,7 +126,8 @@ def attribute(events, cuda: bool) -> tuple[dict, dict, float, dict]:
             unnamed = [k for k in evt.kernels if category(k.name) is None]
             cat = _own_or_enclosing(evt) if unnamed and not evt.is_legacy else None
             for k in unnamed if cat else ():
-                count(cat, f"{k.name} (in {evt.name})", k.duration / 1e3)
+                same = launched.get((k.name, k.duration))
+                count(cat, f"{k.name} (in {evt.name})", same.pop(0) if same else k.duration / 1e3)
         else:
             ms = evt.self_cpu_time_total / 1e3
             total += ms

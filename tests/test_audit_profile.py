@@ -41,19 +41,30 @@ def test_attribution_of_gpu_kernels():
         return NS(name=name, device_type=DeviceType.CPU, is_async=False, is_legacy=False, cpu_parent=parent,
                   kernels=[NS(name=k, duration=us) for k, us in kernels])
 
-    def gpu(name, us):
-        return NS(name=name, device_type=DeviceType.CUDA, is_async=False, time_range=NS(elapsed_us=lambda: us))
+    def gpu(name, start, us):
+        return NS(name=name, device_type=DeviceType.CUDA, is_async=False, device_index=0,
+                  time_range=NS(start=start, end=start + us))
 
     step = cpu("ProfilerStep#0", [])
     events = [step, cpu("fxfuse::rms_norm", [("_rms_norm_fwd_kernel", 40), ("vectorized_copy", 30)], step),
               cpu("aten::mm", [("sm90_gemm", 100)], step),
-              gpu("_rms_norm_fwd_kernel", 40), gpu("vectorized_copy", 30), gpu("sm90_gemm", 100)]
+              gpu("_rms_norm_fwd_kernel", 0, 40), gpu("vectorized_copy", 40, 30), gpu("sm90_gemm", 70, 100)]
     per_pattern, per_name, total, parts = attribute(events, cuda=True)
     assert per_pattern.keys() == {"rms_norm"} and per_pattern["rms_norm"] == pytest.approx(0.07)
     assert total == pytest.approx(0.17) and per_name["sm90_gemm"] == pytest.approx(0.1)
     assert parts.keys() == {"rms_norm"}
     assert parts["rms_norm"] == {"_rms_norm_fwd_kernel": [pytest.approx(0.04), 1],
                                  "vectorized_copy (in fxfuse::rms_norm)": [pytest.approx(0.03), 1]}
+
+    # A dependent launch (the dw reduction under PDL) starts 2 us into the row backward's 38 us and
+    # ends 2 us after it: 2 us of its own, not 38; the total is the 40 us the device was busy.
+    # The dw kernel's name has no pattern word: it counts for fxfuse::rms_norm_backward, which launched it.
+    pdl = [step, cpu("fxfuse::rms_norm_backward", [("_rms_norm_bwd_kernel", 38), ("_dw_reduce_kernel", 38)], step),
+           gpu("_rms_norm_bwd_kernel", 200, 38), gpu("_dw_reduce_kernel", 202, 38)]
+    per_pattern, per_name, total, parts = attribute(pdl, cuda=True)
+    assert per_name["_dw_reduce_kernel"] == pytest.approx(0.002) and total == pytest.approx(0.04)
+    assert per_pattern["rms_norm"] == pytest.approx(0.04)
+    assert parts["rms_norm"]["_dw_reduce_kernel (in fxfuse::rms_norm_backward)"] == [pytest.approx(0.002), 1]
 
 
 def test_memory_peak_replays_the_allocator_trace():
