@@ -1,4 +1,5 @@
-"""RMSNorm kernels next to a same-size copy and a same-size 3-tensor op, for Nsight Compute.
+"""RMSNorm kernels next to a same-size copy and a same-size 3-tensor op, for Nsight Compute; and the
+backward with the residual-gradient add after it against the folded one (fxfuse/fold_add.py).
 
 Run under ncu (the hardware counters say where the gap to a copy is: DRAM bytes, DRAM throughput
 over the kernel's time, occupancy, warp stalls):
@@ -20,6 +21,7 @@ def workloads(m: int, d: int, dtype: torch.dtype) -> dict:
 
     x = torch.randn(m, d, device="cuda", dtype=dtype)
     dy = torch.randn_like(x)
+    r = torch.randn_like(x)
     w = torch.randn(d, device="cuda", dtype=dtype)
     y = torch.empty_like(x)
     eps = 1e-6
@@ -29,6 +31,8 @@ def workloads(m: int, d: int, dtype: torch.dtype) -> dict:
         "fxfuse fwd": lambda: k._rms_norm(x, w, eps, 0.0, True, dtype),
         "fxfuse bwd (row kernel + dw reduction)": lambda: k._rms_norm_backward(dy, x, w, eps, 0.0, True),
         "fxfuse bwd, no dw": lambda: k._rms_norm_backward(dy, x, w, eps, 0.0, False),
+        "fxfuse bwd, then add dx + r (unfolded)": lambda: k._rms_norm_backward(dy, x, w, eps, 0.0, True)[0] + r,
+        "fxfuse bwd_add (fxfuse/fold_add.py)": lambda: k._rms_norm_backward_add(dy, x, w, r, eps, 0.0, True),
     }
 
 

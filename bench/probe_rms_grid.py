@@ -30,6 +30,7 @@ def resident_by_regs(n_regs: int, num_warps: int) -> int:
 
 def main() -> None:
     from fxfuse.kernels import rms_norm as k
+    from fxfuse.kernels._rms_norm_dw import _dw_reduce_kernel
     from fxfuse.kernels import _rms_norm_launch as launch
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -66,7 +67,7 @@ def main() -> None:
                 dy, x, w, y, partial, m, d, x.stride(0), 1e-6, 0.0, HAS_WEIGHT=True, COMPUTE_DW=True,
                 ROUND=0, RNE_BY_BITS=False, INDEPENDENT_SUMS=launch.bwd_independent_sums(bn), BLOCK_M=1, BLOCK_N=bn,
                 NUM_STAGES=stages, num_warps=warps)
-            k._dw_reduce_kernel[(programs,)](partial, dw, grid, d, RNE_BY_BITS=False, BLOCK_P=block_p,
+            _dw_reduce_kernel[(programs,)](partial, dw, grid, d, RNE_BY_BITS=False, BLOCK_P=block_p,
                                              BLOCK_D=block_d)
             return compiled
         return run

@@ -45,6 +45,7 @@ def _time(label, fn, nbytes, rows, kind):
 def probe(m: int, d: int, ceiling: float, args) -> None:
     from fxfuse.kernels import _rms_norm_launch as launch
     from fxfuse.kernels import rms_norm as k
+    from fxfuse.kernels._rms_norm_dw import _dw_reduce_kernel
 
     dt = torch.bfloat16
     x, dy = (torch.randn(m, d, device="cuda", dtype=dt) for _ in range(2))
@@ -82,7 +83,7 @@ def probe(m: int, d: int, ceiling: float, args) -> None:
             NUM_STAGES=stages, num_warps=warps)
 
     def reduce(red, bp, bd, wp):
-        k._dw_reduce_kernel[(red,)](partial, dw, grid, d, RNE_BY_BITS=False, BLOCK_P=bp, BLOCK_D=bd, num_warps=wp)
+        _dw_reduce_kernel[(red,)](partial, dw, grid, d, RNE_BY_BITS=False, BLOCK_P=bp, BLOCK_D=bd, num_warps=wp)
 
     red, bp, bd = launch.dw_launch(grid, d)
     tag = f"warps={bw} stages={bs} grid={grid}"

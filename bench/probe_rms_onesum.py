@@ -140,6 +140,7 @@ def candidates(m, d, x, dy, w, sweep=False):
     """name -> fn() returning (dx, dw) in the candidate's own buffers."""
     from fxfuse.kernels import _rms_norm_launch as launch
     from fxfuse.kernels import rms_norm as k
+    from fxfuse.kernels._rms_norm_dw import _dw_reduce_kernel
 
     grid, bm, bn, warps, stages = launch.bwd_launch(m, d, x.element_size(), x.device)
     red, bp, bd = launch.dw_launch(grid, d)
@@ -157,7 +158,7 @@ def candidates(m, d, x, dy, w, sweep=False):
                     dy, x, w, dx, partial, m, d, d, 1e-6, 0.0, HAS_WEIGHT=True, COMPUTE_DW=True, ROUND=0,
                     RNE_BY_BITS=False, INDEPENDENT_SUMS=kind == "independent", BLOCK_M=bm, BLOCK_N=bn,
                     NUM_STAGES=stages, num_warps=warps)
-            k._dw_reduce_kernel[(red,)](partial, dw, grid, d, RNE_BY_BITS=False, BLOCK_P=bp, BLOCK_D=bd)
+            _dw_reduce_kernel[(red,)](partial, dw, grid, d, RNE_BY_BITS=False, BLOCK_P=bp, BLOCK_D=bd)
             return dx, dw
         return fn
 

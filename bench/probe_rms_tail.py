@@ -31,6 +31,7 @@ import triton.language as tl
 from common import bench_ms, graphed
 from fxfuse.kernels import _rms_norm_launch as launch
 from fxfuse.kernels import rms_norm as k
+from fxfuse.kernels._rms_norm_dw import _dw_reduce_kernel
 from fxfuse.kernels._dispatch import num_sms
 from fxfuse.kernels._rms_norm_split import grad_out
 from fxfuse.kernels._round import rne_by_bits, round_code, round_dtype, round_to
@@ -220,7 +221,7 @@ def split_backward(dy, x, w, tail_k: int, pos: int) -> tuple[torch.Tensor, torch
                                        BLOCK_N=bn, NUM_STAGES=stages, TAIL_K=kk, POS=pos, num_warps=warps)
     dw = torch.empty((d,), dtype=w.dtype, device=x.device)
     grid, block_p, block_d = launch.dw_launch(programs, d)
-    k._dw_reduce_kernel[(grid,)](partial, dw, programs, d, RNE_BY_BITS=rne_by_bits(x.device), BLOCK_P=block_p,
+    _dw_reduce_kernel[(grid,)](partial, dw, programs, d, RNE_BY_BITS=rne_by_bits(x.device), BLOCK_P=block_p,
                                  BLOCK_D=block_d)
     return dx, dw
 

@@ -30,13 +30,14 @@ def candidates(m, d, x, dy, w, sms):
     """name -> fn() returning (dx, dw), each with its own output buffers."""
     from fxfuse.kernels import _rms_norm_launch as launch
     from fxfuse.kernels import rms_norm as k
+    from fxfuse.kernels._rms_norm_dw import _dw_reduce_kernel
     from fxfuse.kernels._rms_norm_split import split_backward
 
     elem = x.element_size()
 
     def reduce(partial, p, dw):
         programs, block_p, block_d = launch.dw_launch(p, d)
-        k._dw_reduce_kernel[(programs,)](partial, dw, p, d, RNE_BY_BITS=False, BLOCK_P=block_p, BLOCK_D=block_d)
+        _dw_reduce_kernel[(programs,)](partial, dw, p, d, RNE_BY_BITS=False, BLOCK_P=block_p, BLOCK_D=block_d)
 
     def row_kernel():
         grid, bm, bn, warps, stages = launch.bwd_launch(m, d, elem, x.device)

@@ -63,6 +63,7 @@ def sweep(m: int, d: int, dtype: torch.dtype, ceiling: float, top: int, grid: ar
 
 def _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem, grid) -> list:
     from fxfuse.kernels import _rms_norm_launch as launch
+    from fxfuse.kernels._rms_norm_dw import _dw_reduce_kernel
 
     rows = []
     blocks = triton.cdiv(m, block_m)
@@ -95,7 +96,7 @@ def _sweep_tile(k, m, d, x, w, dy, y, dx, dw, block_m, block_n, sms, elem, grid)
                 dy, x, w, dx, partial, m, d, x.stride(0), 1e-5, 0.0, HAS_WEIGHT=True, COMPUTE_DW=True,
                 ROUND=0, RNE_BY_BITS=False, INDEPENDENT_SUMS=launch.bwd_independent_sums(block_n), BLOCK_M=block_m,
                 BLOCK_N=block_n, NUM_STAGES=stages, num_warps=warps)
-            k._dw_reduce_kernel[(red,)](partial, dw, grid, d, RNE_BY_BITS=False, BLOCK_P=block_p, BLOCK_D=block_d)
+            _dw_reduce_kernel[(red,)](partial, dw, grid, d, RNE_BY_BITS=False, BLOCK_P=block_p, BLOCK_D=block_d)
         try:
             ms = bench_ms(graphed(bwd))
         except Exception as exc:

@@ -39,8 +39,10 @@ DOC = {
                  "inputs their backward keeps anyway, not saved for the next matmul; False: saved",
     "inplace_backward": "True (default from torch 2.11 on): under Inductor, a fused gated MLP's backward "
                         "writes its gradients over buffers the backward no longer reads (recomputed gate "
-                        "under checkpointing, down_proj's input gradient) instead of fresh ones; False "
-                        "(default, and the only value, before torch 2.11): fresh buffers",
+                        "under checkpointing, down_proj's input gradient) instead of fresh ones, and a "
+                        "fused RMSNorm's backward adds the residual stream's gradient in its own pass "
+                        "(fxfuse/fold_add.py); False (default, and the only value, before torch 2.11): "
+                        "fresh buffers and a separate add",
     "causal_attention": "True (default): an SDPA call whose mask is a constant causal mask gets "
                         "is_causal=True instead (and enable_gqa for repeated k/v); False: left as is",
     "numerics": "'eager' (default): in bf16/fp16 graphs the fused ops round where eager's ops store "

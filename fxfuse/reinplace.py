@@ -206,18 +206,32 @@ def reinplace(graph: fx.Graph) -> int:
     return placed
 
 
+def post_grad(graph: fx.Graph) -> None:
+    """fxfuse's post-grad rewrites: residual-gradient adds into the RMSNorm backward
+    (fxfuse/fold_add.py), then the gated-MLP backwards in place."""
+    from .fold_add import fold_residual_adds
+
+    fold_residual_adds(graph)
+    reinplace(graph)
+
+
 @functools.cache
 def _source_hash() -> str:
-    with open(__file__, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    from . import fold_add
+
+    digest = hashlib.sha256()
+    for path in (__file__, fold_add.__file__):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
 
 
 class ReinplacePass(CustomGraphPass):
-    """reinplace as an Inductor custom pass; its uuid (this file's hash, read once per process)
-    keys Inductor's FX graph cache, so graphs compiled with it stay cacheable."""
+    """post_grad as an Inductor custom pass; its uuid (the hash of this file and fold_add.py, read
+    once per process) keys Inductor's FX graph cache, so graphs compiled with it stay cacheable."""
 
     def __call__(self, graph: fx.Graph) -> None:
-        reinplace(graph)
+        post_grad(graph)
 
     def uuid(self) -> str:
         return _source_hash()
@@ -241,7 +255,7 @@ class _Chain(ReinplacePass):
         self.then = then
 
     def __call__(self, graph: fx.Graph) -> None:
-        reinplace(graph)
+        post_grad(graph)
         self.then(graph)
 
     def uuid(self):

@@ -170,14 +170,15 @@ def fwd_chunked_launch(d: int, elem: int) -> tuple[int, int, int] | None:
 
 
 @functools.lru_cache(maxsize=1024)
-def bwd_launch(m: int, d: int, elem: int, device: torch.device) -> tuple[int, int, int, int, int]:
+def bwd_launch(m: int, d: int, elem: int, device: torch.device, loads: int = 2) -> tuple[int, int, int, int, int]:
     """(persistent programs, BLOCK_M, BLOCK_N, num_warps, num_stages) of the row backward (rows up to
-    8K elements; wider: bwd_split_launch); its pipelined loads are x and dy (two rows per row of the tile)."""
+    8K elements; wider: bwd_split_launch); its pipelined loads are x and dy, and the residual gradient
+    in rms_norm_backward_add (loads rows per row of the tile)."""
     bn = block_n(d)
     bm = block_m(bn, m)
     tile = bm * bn
     grid = max(1, min(triton.cdiv(m, bm), num_sms(device) * bwd_programs_per_sm(tile)))
-    return grid, bm, bn, bwd_num_warps(tile), row_stages(tile * elem, per_row=2)
+    return grid, bm, bn, bwd_num_warps(tile), row_stages(tile * elem, per_row=loads)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -25,8 +25,9 @@ dw term are rounded to dy's dtype as eager's bf16 ``w * xhat.to(dtype)`` backwar
     g = rnd(float32(dy) * w'),   dw = sum over rows of rnd(float32(dy) * rnd(xhat))
 dw is reduced without atomics (deterministic): each program of the persistent backward grid keeps
 an fp32 [D] partial sum in registers over its rows and writes it to partial[pid, :]; a second small
-kernel sums the [P, D] partials over P (a fixed tree per column) and rounds to weight.dtype; on
-sm_90+ it is a programmatic dependent launch (launch.dw_pdl) that waits for the partials on the GPU.
+kernel (kernels/_rms_norm_dw.py) sums the [P, D] partials over P and rounds to weight.dtype.
+``fxfuse::rms_norm_backward_add(dy, x, w, r, ...)`` returns (dx + r, dw): the pre-norm block's
+residual-gradient add, rounded as eager's add, in the same pass (fxfuse/fold_add.py puts it there).
 
 Launch (kernels/_rms_norm_launch.py): the forward runs one program per tile of rows, or, for rows
 of 8K+ elements, a persistent grid of 1-D row steps whose loop loads the next rows while one is
@@ -50,6 +51,7 @@ import triton.language as tl
 
 from . import _rms_norm_launch as launch
 from ._rms_norm_chunked import chunked_forward, scale_row
+from ._rms_norm_dw import reduce_dw
 from ._rms_norm_split import grad_out, split_backward
 from ._dispatch import no_double_backward, register_autograd, use_triton
 from ._round import rne_by_bits, round_code, round_dtype, round_ref, round_to
@@ -150,6 +152,8 @@ def _rms_norm_bwd_kernel(
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr = False,  # the dw reduction is launched dependent: let its blocks launch now
+    res_ptr=None,  # [M, D] x.dtype, contiguous, added to dx (rms_norm_backward_add); last: probes pass the rest
+    HAS_RES: tl.constexpr = False,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -182,38 +186,16 @@ def _rms_norm_bwd_kernel(
             c = tl.sum(g * xhat, axis=1) / D
         dx = rstd[:, None] * (g - xhat * c[:, None])
         dx = round_dtype(dx, dx_ptr.dtype.element_ty, RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
+        if HAS_RES:  # as eager's add of the two x.dtype gradients: fp32 sum, one rounding
+            r = tl.load(res_ptr + rows64[:, None] * D + cols[None, :], mask=mask, other=0.0)
+            dx = round_dtype(dx.to(tl.float32) + r.to(tl.float32), dx_ptr.dtype.element_ty,
+                             RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
         tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx, mask=mask)
         if COMPUTE_DW:
             dw_acc += round_to(dyf * round_to(xhat, ROUND, RNE_BY_BITS), ROUND, RNE_BY_BITS)
 
     if COMPUTE_DW:
         tl.store(dw_partial_ptr + pid.to(tl.int64) * D + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
-
-
-@triton.jit
-def _dw_reduce_kernel(
-    partial_ptr,  # [P, D] fp32, contiguous
-    dw_ptr,  # [D] weight.dtype, contiguous
-    P,
-    D,
-    RNE_BY_BITS: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched dependent on the backward: wait until its partials are written
-):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    # BLOCK_D columns per program; the [BLOCK_P, BLOCK_D] tiles are summed elementwise and reduced
-    # once at the end, so the loads of a column block do not wait on each other (latency-bound).
-    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_mask = cols < D
-    acc = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        ps = p0 + tl.arange(0, BLOCK_P)
-        mask = (ps < P)[:, None] & col_mask[None, :]
-        acc += tl.load(partial_ptr + ps.to(tl.int64)[:, None] * D + cols[None, :], mask=mask, other=0.0)
-    dw = round_dtype(tl.sum(acc, axis=0), dw_ptr.dtype.element_ty, RNE_BY_BITS).to(dw_ptr.dtype.element_ty)
-    tl.store(dw_ptr + cols, dw, mask=col_mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -236,6 +218,11 @@ _lib.define(
 _lib.define(
     "rms_norm_backward(Tensor dy, Tensor x, Tensor? weight, float eps, float offset, bool compute_dw, "
     "bool eager_rounding=False) -> (Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+_lib.define(
+    "rms_norm_backward_add(Tensor dy, Tensor x, Tensor? weight, Tensor residual, float eps, float offset, "
+    "bool compute_dw, bool eager_rounding=False) -> (Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,),
 )
 
@@ -279,12 +266,18 @@ def _rms_norm_backward(
     offset: float,
     compute_dw: bool,
     eager_rounding: bool = False,
+    residual: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [x.shape] x.dtype, dw [D] weight.dtype); dw is an empty [0] tensor unless compute_dw.
-    eager_rounding: the grads of ``w * xhat.to(dtype)`` round as eager's product (dy's dtype)."""
+    eager_rounding: the grads of ``w * xhat.to(dtype)`` round as eager's product (dy's dtype).
+    residual [x.shape] x.dtype: dx + residual instead of dx (one rounding more, as eager's add)."""
     compute_dw = compute_dw and weight is not None
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"fxfuse::rms_norm_backward_add: residual {residual.dtype}{list(residual.shape)} "
+                         f"must have x's shape and dtype, {x.dtype}{list(x.shape)}")
     if not _fits_triton(x):
         dx, dw = _rms_norm_backward_reference(dy, x, weight, eps, offset, compute_dw, eager_rounding)
+        dx = dx if residual is None else dx + residual
         return dx, dw if compute_dw else x.new_empty((0,))
     x2 = _rows(x)
     m, d = x2.shape
@@ -299,22 +292,26 @@ def _rms_norm_backward(
         partial = torch.empty((grid, d) if compute_dw else (1,), dtype=torch.float32, device=x.device)
         split_backward(dy2, x2, w, dx, partial, eps, offset, weight is not None, compute_dw, round_,
                        rne_by_bits(x.device), split)
+        if residual is not None:  # rows past 8K elements: a separate add, as unfused
+            dx.add_(residual)
     else:
-        grid, block_m, block_n, num_warps, num_stages = launch.bwd_launch(m, d, x.element_size(), x.device)
+        loads = 2 if residual is None else 3  # rows of x, dy (and residual) staged per row of the tile
+        grid, block_m, block_n, num_warps, num_stages = launch.bwd_launch(m, d, x.element_size(), x.device, loads)
         partial = torch.empty((grid, d) if compute_dw else (1,), dtype=torch.float32, device=x.device)
+        res = {} if residual is None else dict(res_ptr=residual.reshape(m, d).contiguous(), HAS_RES=True)
         _rms_norm_bwd_kernel[(grid,)](
             dy2, x2, w, dx, partial, m, d, x2.stride(0), eps, offset,
             HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, ROUND=round_, RNE_BY_BITS=rne_by_bits(x.device),
             INDEPENDENT_SUMS=launch.bwd_independent_sums(block_n), BLOCK_M=block_m, BLOCK_N=block_n,
-            NUM_STAGES=num_stages, num_warps=num_warps, PDL=pdl,
+            NUM_STAGES=num_stages, num_warps=num_warps, PDL=pdl, **res,
         )
-    if not compute_dw:
-        return dx, x.new_empty((0,))
-    dw = torch.empty((d,), dtype=weight.dtype, device=x.device)
-    programs, block_p, block_d = launch.dw_launch(grid, d)
-    _dw_reduce_kernel[(programs,)](partial, dw, grid, d, RNE_BY_BITS=rne_by_bits(x.device), BLOCK_P=block_p,
-                                   BLOCK_D=block_d, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
-    return dx, dw
+    return dx, reduce_dw(partial, weight.dtype, pdl) if compute_dw else x.new_empty((0,))
+
+
+def _rms_norm_backward_add(dy, x, weight, residual, eps, offset, compute_dw, eager_rounding=False):
+    """fxfuse::rms_norm_backward_add: (dx + residual, dw), one pass (fxfuse/fold_add.py folds the
+    residual stream's gradient add of a pre-norm block into the backward with it)."""
+    return _rms_norm_backward(dy, x, weight, eps, offset, compute_dw, eager_rounding, residual)
 
 
 # Plain Library registration, not torch.library.custom_op: custom_op's Python dispatch and
@@ -322,6 +319,7 @@ def _rms_norm_backward(
 # medium sizes). CompositeExplicitAutograd, as custom_op registers: every backend runs _rms_norm.
 _lib.impl("rms_norm", _rms_norm, "CompositeExplicitAutograd")
 _lib.impl("rms_norm_backward", _rms_norm_backward, "CompositeExplicitAutograd")
+_lib.impl("rms_norm_backward_add", _rms_norm_backward_add, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("fxfuse::rms_norm", lib=_lib)
@@ -330,15 +328,19 @@ def _(x, weight, eps, offset, cast_before_weight, out_dtype, eager_rounding=Fals
 
 
 @torch.library.register_fake("fxfuse::rms_norm_backward", lib=_lib)
-def _(dy, x, weight, eps, offset, compute_dw, eager_rounding=False):
-    dx = x.new_empty(x.shape)
-    if compute_dw and weight is not None:
-        return dx, weight.new_empty(weight.shape)
-    return dx, x.new_empty((0,))
+def _fake_backward(dy, x, weight, eps, offset, compute_dw, eager_rounding=False):
+    dw = weight.new_empty(weight.shape) if compute_dw and weight is not None else x.new_empty((0,))
+    return x.new_empty(x.shape), dw
+
+
+@torch.library.register_fake("fxfuse::rms_norm_backward_add", lib=_lib)
+def _(dy, x, weight, residual, eps, offset, compute_dw, eager_rounding=False):
+    return _fake_backward(dy, x, weight, eps, offset, compute_dw)
 
 
 _RMS_NORM = torch.ops.fxfuse.rms_norm.default
 _RMS_NORM_BACKWARD = torch.ops.fxfuse.rms_norm_backward.default
+_RMS_NORM_BACKWARD_ADD = torch.ops.fxfuse.rms_norm_backward_add.default
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -371,6 +373,7 @@ register_autograd(_lib, "rms_norm", _RMS_NORM, _RMSNormFunction)
 # The public callables: the ops (dispatch, autograd, torch.compile), not the bare host wrappers.
 rms_norm = _RMS_NORM
 rms_norm_backward = _RMS_NORM_BACKWARD
+rms_norm_backward_add = _RMS_NORM_BACKWARD_ADD
 
 
 def rms_norm_reference(

@@ -284,6 +284,22 @@ def test_rms_norm_dw_pdl_is_bit_equal_on_cuda(monkeypatch, rows, d):
     assert torch.equal(dependent[0], plain[0]) and torch.equal(dependent[1], plain[1])
 
 
+@pytest.mark.parametrize("rows,d", [(8192, 2048), (4096, 8192), (199, 2304), (2, 8200)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_backward_add_is_backward_then_add_on_cuda(rows, d, dtype):
+    """fxfuse::rms_norm_backward_add (fxfuse/fold_add.py's target): (dx + residual, dw) bit for bit
+    as the backward then eager's add, through the compiled kernel with its third staged load (rows
+    of 8K+1 elements: the split backward, then add_)."""
+    from fxfuse.kernels.rms_norm import rms_norm_backward, rms_norm_backward_add
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x, dy, r = (torch.randn(rows, d, device="cuda", generator=g).to(dtype) for _ in range(3))
+    w = (1 + 0.3 * torch.randn(d, device="cuda", generator=g)).to(dtype)
+    dx, dw = rms_norm_backward(dy, x, w, 1e-6, 0.0, True)
+    got, got_dw = rms_norm_backward_add(dy, x, w, r, 1e-6, 0.0, True)
+    assert torch.equal(got, dx + r) and torch.equal(got_dw, dw)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["halves", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 7), (199, 1030), (4096, 1536)])
