@@ -154,6 +154,7 @@ def _rms_norm_bwd_kernel(
     PDL: tl.constexpr = False,  # the dw reduction is launched dependent: let its blocks launch now
     res_ptr=None,  # [M, D] x.dtype, contiguous, added to dx (rms_norm_backward_add); last: probes pass the rest
     HAS_RES: tl.constexpr = False,
+    ADD_RN: tl.constexpr = False,  # CUDA (the interpreter runs no PTX; its numpy add is not contracted)
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -187,9 +188,13 @@ def _rms_norm_bwd_kernel(
         dx = rstd[:, None] * (g - xhat * c[:, None])
         dx = round_dtype(dx, dx_ptr.dtype.element_ty, RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
         if HAS_RES:  # as eager's add of the two x.dtype gradients: fp32 sum, one rounding
-            r = tl.load(res_ptr + rows64[:, None] * D + cols[None, :], mask=mask, other=0.0)
-            dx = round_dtype(dx.to(tl.float32) + r.to(tl.float32), dx_ptr.dtype.element_ty,
-                             RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
+            r = tl.load(res_ptr + rows64[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if ADD_RN:  # add.rn: never contracted with fp32 dx's product into an fma (1 ulp off eager's)
+                total = tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [dx.to(tl.float32), r],
+                                                  dtype=tl.float32, is_pure=True, pack=1)
+            else:
+                total = dx.to(tl.float32) + r
+            dx = round_dtype(total, dx_ptr.dtype.element_ty, RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
         tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx, mask=mask)
         if COMPUTE_DW:
             dw_acc += round_to(dyf * round_to(xhat, ROUND, RNE_BY_BITS), ROUND, RNE_BY_BITS)
@@ -298,7 +303,8 @@ def _rms_norm_backward(
         loads = 2 if residual is None else 3  # rows of x, dy (and residual) staged per row of the tile
         grid, block_m, block_n, num_warps, num_stages = launch.bwd_launch(m, d, x.element_size(), x.device, loads)
         partial = torch.empty((grid, d) if compute_dw else (1,), dtype=torch.float32, device=x.device)
-        res = {} if residual is None else dict(res_ptr=residual.reshape(m, d).contiguous(), HAS_RES=True)
+        res = {} if residual is None else dict(res_ptr=residual.reshape(m, d).contiguous(), HAS_RES=True,
+                                               ADD_RN=x.is_cuda)
         _rms_norm_bwd_kernel[(grid,)](
             dy2, x2, w, dx, partial, m, d, x2.stride(0), eps, offset,
             HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, ROUND=round_, RNE_BY_BITS=rne_by_bits(x.device),

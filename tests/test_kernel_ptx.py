@@ -155,3 +155,17 @@ def test_global_accesses_are_16_byte_vectors(tmp_path, gpu_launches, case):
             accesses = [a for a in accesses if a.startswith("ld")]
         assert all(".v4." in a for a in accesses), (name, sorted(set(accesses)))
         assert ("griddepcontrol." + pdl[name] in ptx if name in pdl else "griddepcontrol" not in ptx), name
+
+
+def test_fp32_residual_add_is_never_an_fma(tmp_path, gpu_launches):
+    """rms_norm_backward_add on CUDA (ADD_RN, which x.is_cuda sets) sums dx and the residual with
+    add.rn.f32, which ptxas does not contract with dx's product into an fma: in fp32 the sum is then
+    eager's add bit for bit (the contracted fma was 1 ulp off on the H100, fortieth session)."""
+    from fxfuse.kernels import rms_norm as k
+
+    x, w = E(64, 2048), E(2048)
+    fn, names, args, kwargs = gpu_launches(lambda: k._rms_norm_backward_add(x, x, w, x, 1e-6, 0.0, True))[
+        "_rms_norm_bwd_kernel"]
+    assert kwargs["HAS_RES"] and not kwargs["ADD_RN"]  # CPU tensors: the interpreter's numpy add
+    plain = sm90_ptx(tmp_path, fn, names, args, kwargs).count("add.rn.f32")
+    assert sm90_ptx(tmp_path, fn, names, args, {**kwargs, "ADD_RN": True}).count("add.rn.f32") > plain
