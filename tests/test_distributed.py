@@ -15,11 +15,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = re.compile(r"rank (\d): loss rel err (\S+), worst grad rel err (\S+), graphs (\d+), counts (\{[^}]*\})")  # rank lines may interleave
 
 
-def _launch(wrap: str, *extra: str) -> tuple[list[tuple], str]:
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _torchrun(script: str, *args: str, done: re.Pattern | None = None) -> subprocess.CompletedProcess:
+    """2 processes of examples/<script> over gloo. With done (a line each rank prints when its work
+    is checked): run again once, and only then, when a rank aborted at teardown after both had
+    printed it. A rank did so twice in CPU CI on the loaded 2-core machine (DDP, commit 277c7a8's
+    session; FSDP2 + checkpointing, fortieth session), both times after both ranks had printed
+    passing parity; alone each test passed. The second run must pass in full."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "examples", "distributed.py"), "--wrap", wrap, "--inner", "aot_eager", "--check", *extra]
+           os.path.join(ROOT, "examples", script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # TRITON_INTERPRET=1 comes from conftest
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    out = res.stdout + res.stderr
+    if res.returncode != 0 and done is not None and TEARDOWN_ABORT in out and len(done.findall(out)) == 2:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    return res
+
+
+def _launch(wrap: str, *extra: str) -> tuple[list[tuple], str]:
+    res = _torchrun("distributed.py", "--wrap", wrap, "--inner", "aot_eager", "--check", *extra, done=LINE)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     rows = sorted(LINE.findall(out))
@@ -57,10 +73,7 @@ def test_fsdp2_with_activation_checkpointing():
 def test_fsdp2_benchmark_script_runs_on_cpu():
     """examples/fsdp2_bench.py (the 2-GPU benchmark) in its --smoke mode: same code path on 2 CPU
     processes over gloo with a tiny model; prints its result line and fxfuse's report."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "examples", "fsdp2_bench.py"), "--impl", "fxfuse", "--smoke"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    res = _torchrun("fsdp2_bench.py", "--impl", "fxfuse", "--smoke")
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     assert re.search(r"^fxfuse, [\d.]+ ms/step, 0\.00 GiB/GPU, loss \d+\.\d+$", res.stdout, re.M), out[-4000:]
