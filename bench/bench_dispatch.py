@@ -37,11 +37,15 @@ class _NoLaunch:
 
 
 def stub_kernels() -> None:
-    """Every kernel module takes its Triton branch on CPU, and launches nothing."""
+    """Every kernel module takes its Triton branch on CPU, and launches nothing (the op modules'
+    kernels and those of the helper modules they launch from, such as _rms_norm_dw)."""
+    import sys
+
     import triton
 
-    for mod in (importlib.import_module(f"fxfuse.kernels.{name}") for name in OPS):
-        mod.use_triton = lambda t: True
+    for name in OPS:
+        importlib.import_module(f"fxfuse.kernels.{name}").use_triton = lambda t: True
+    for mod in [m for n, m in sys.modules.items() if n.startswith("fxfuse.kernels.")]:
         for name, obj in list(vars(mod).items()):
             if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel"):
                 setattr(mod, name, _NoLaunch())
