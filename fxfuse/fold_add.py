@@ -13,9 +13,9 @@ bench/RESULTS.md 2026-12-06). ``fxfuse.rms_norm_backward_add(dy, x, w, d_residua
 add kernel's read of dx and write of dh go away. The kernel rounds as eager's add, so dh is
 bit-identical to the unfolded graph's.
 
-Folded when the add is ``aten.add.Tensor`` without alpha and dx's only user, and dx, the other
-operand and the sum have one shape and dtype (no broadcast, no promotion); the new call replaces
-the add, so every user of dw must come after the add. Otherwise the add stays as it was: a final
+Folded when the add is ``aten.add.Tensor`` without alpha and dx's only user, dx, the other operand
+and the sum have one shape and dtype (no broadcast, no promotion) and the sum is contiguous (as the
+op's output); the new call replaces the add, so every user of dw must come after the add. Otherwise the add stays as it was: a final
 norm's dx, which also feeds the last block's matmul backward, is the usual case.
 """
 from __future__ import annotations
@@ -36,13 +36,14 @@ def _targets():
 
 
 def _same(*nodes: fx.Node) -> bool:
-    """One dtype and shape (symbolic sizes: equal for every value of the symbols) for all nodes."""
-    from .reinplace import _same_shape
+    """One dtype and shape (symbolic sizes: equal for every value of the symbols) for all nodes, and
+    the last (the add) contiguous, as the op's output is: its recorded value stays the new one's."""
+    from .reinplace import _contiguous, _same_shape
 
     vals = [n.meta.get("val") if isinstance(n, fx.Node) else None for n in nodes]
     if not all(isinstance(v, torch.Tensor) for v in vals):
         return False
-    return all(v.dtype == vals[0].dtype and _same_shape(v, vals[0]) for v in vals)
+    return all(v.dtype == vals[0].dtype and _same_shape(v, vals[0]) for v in vals) and _contiguous(vals[-1])
 
 
 def _meta(node: fx.Node, **extra) -> dict:
