@@ -60,8 +60,9 @@ def gpu_launches(monkeypatch):
         f.cache_clear()
 
 
-def _rms(m, d, pdl=True):
-    """pdl: the dw reduction a programmatic dependent launch, as on sm_90+ (launch.dw_pdl); False: as before."""
+def _rms(m, d, pdl=True, residual=False):
+    """pdl: the dw reduction a programmatic dependent launch, as on sm_90+ (launch.dw_pdl); False: as
+    before. residual: the backward with the residual-gradient add folded in (fxfuse/fold_add.py)."""
     from fxfuse.kernels import _rms_norm_launch as launch
     from fxfuse.kernels import rms_norm as k
 
@@ -69,18 +70,7 @@ def _rms(m, d, pdl=True):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(launch, "dw_pdl", lambda device: pdl)
         k._rms_norm(x, w, 1e-6, 0.0, True, BF)
-        k._rms_norm_backward(x, x, w, 1e-6, 0.0, True)
-
-
-def _rms_add(m, d):
-    """The row backward with the residual-gradient add folded in (fxfuse/fold_add.py), dw under PDL."""
-    from fxfuse.kernels import _rms_norm_launch as launch
-    from fxfuse.kernels import rms_norm as k
-
-    x, w = E(m, d, dtype=BF), E(d, dtype=BF)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch, "dw_pdl", lambda device: True)
-        k._rms_norm_backward_add(x, x, w, x, 1e-6, 0.0, True)
+        k._rms_norm_backward(x, x, w, 1e-6, 0.0, True, residual=x if residual else None)
 
 
 def _ops(module: str):
@@ -124,7 +114,8 @@ CASES = {  # step on training shapes, the kernels it launches
     "rms_norm 4096x8192 no pdl": (lambda: _rms(4096, 8192, pdl=False), ["_rms_norm_bwd_kernel", "_dw_reduce_kernel"]),
     "rms_norm 16384x4096": (lambda: _rms(16384, 4096),
                             ["_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_dw_reduce_kernel"]),
-    "rms_norm_backward_add 8192x2048": (lambda: _rms_add(8192, 2048), ["_rms_norm_bwd_kernel", "_dw_reduce_kernel"]),
+    "rms_norm_backward_add 8192x2048": (lambda: _rms(8192, 2048, residual=True),
+                                        ["_rms_norm_bwd_kernel", "_dw_reduce_kernel"]),
     "swiglu 8192x14336": (lambda: _swiglu(8192, 14336), ["_swiglu_fwd_kernel", "_swiglu_bwd_kernel"]),
     "swiglu_packed 8192x14336": (lambda: _swiglu_packed(8192, 14336), ["_swiglu_fwd_kernel", "_swiglu_bwd_kernel"]),
     "softcapped_swiglu 65536x1024": (lambda: _softcapped(65536, 1024),
