@@ -1,5 +1,6 @@
 """RMSNorm kernels next to a same-size copy and a same-size 3-tensor op, for Nsight Compute; and the
-backward with the residual-gradient add after it against the folded one (fxfuse/fold_add.py).
+backward with the residual-gradient add (and dy's sum) outside it against the folded ones
+(fxfuse/fold_add.py).
 
 Run under ncu (the hardware counters say where the gap to a copy is: DRAM bytes, DRAM throughput
 over the kernel's time, occupancy, warp stalls):
@@ -33,6 +34,11 @@ def workloads(m: int, d: int, dtype: torch.dtype) -> dict:
         "fxfuse bwd, no dw": lambda: k._rms_norm_backward(dy, x, w, eps, 0.0, False),
         "fxfuse bwd, then add dx + r (unfolded)": lambda: k._rms_norm_backward(dy, x, w, eps, 0.0, True)[0] + r,
         "fxfuse bwd_add (fxfuse/fold_add.py)": lambda: k._rms_norm_backward_add(dy, x, w, r, eps, 0.0, True),
+        "dy = (a + b) + c, then bwd_add (unfolded sum)":
+            lambda: k._rms_norm_backward_add((dy + r) + x, x, w, r, eps, 0.0, True),
+        "fxfuse bwd_add with dy's 3 addends": lambda: k._rms_norm_backward_add(dy, x, w, r, eps, 0.0, True, False, r, x),
+        "dy = a + b, then bwd_add (unfolded sum)": lambda: k._rms_norm_backward_add(dy + r, x, w, r, eps, 0.0, True),
+        "fxfuse bwd_add with dy's 2 addends": lambda: k._rms_norm_backward_add(dy, x, w, r, eps, 0.0, True, False, r),
     }
 
 

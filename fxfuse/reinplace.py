@@ -207,11 +207,11 @@ def reinplace(graph: fx.Graph) -> int:
 
 
 def post_grad(graph: fx.Graph) -> None:
-    """fxfuse's post-grad rewrites: residual-gradient adds into the RMSNorm backward
-    (fxfuse/fold_add.py), then the gated-MLP backwards in place."""
-    from .fold_add import fold_residual_adds
+    """fxfuse's post-grad rewrites: the adds around a norm's backward into it (fxfuse/fold_add.py),
+    then the gated-MLP backwards in place."""
+    from .fold_add import fold_adds
 
-    fold_residual_adds(graph)
+    fold_adds(graph)
     reinplace(graph)
 
 

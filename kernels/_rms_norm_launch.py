@@ -172,8 +172,8 @@ def fwd_chunked_launch(d: int, elem: int) -> tuple[int, int, int] | None:
 @functools.lru_cache(maxsize=1024)
 def bwd_launch(m: int, d: int, elem: int, device: torch.device, loads: int = 2) -> tuple[int, int, int, int, int]:
     """(persistent programs, BLOCK_M, BLOCK_N, num_warps, num_stages) of the row backward (rows up to
-    8K elements; wider: bwd_split_launch); its pipelined loads are x and dy, and the residual gradient
-    in rms_norm_backward_add (loads rows per row of the tile)."""
+    8K elements; wider: bwd_split_launch); its pipelined loads are x and dy, and in
+    rms_norm_backward_add the residual gradient and dy's other addends (loads rows per row of the tile)."""
     bn = block_n(d)
     bm = block_m(bn, m)
     tile = bm * bn

@@ -55,3 +55,17 @@ def round_dtype(v, DTYPE: tl.constexpr, RNE_BY_BITS: tl.constexpr):
 def round_ref(x: torch.Tensor, dtype: torch.dtype, enabled: bool) -> torch.Tensor:
     """PyTorch twin of round_to for the reference paths (x fp32 or wider)."""
     return x.to(dtype).to(x.dtype) if enabled and dtype in _CODE else x
+
+
+@triton.jit
+def add_rounded(a, b, DTYPE: tl.constexpr, RNE_BY_BITS: tl.constexpr, ADD_RN: tl.constexpr):
+    """a + b as eager's add of two DTYPE tensors: an fp32 sum rounded once to DTYPE, returned as
+    DTYPE. ADD_RN (CUDA): an inline add.rn.f32, which ptxas never contracts with a product that
+    feeds it into one fma (1 ulp off eager's two operations); libdevice's add_rn is add.rn.ftz,
+    which flushes denormals. The interpreter runs no PTX and its numpy add is not contracted."""
+    if ADD_RN:
+        s = tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [a.to(tl.float32), b.to(tl.float32)],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        s = a.to(tl.float32) + b.to(tl.float32)
+    return round_dtype(s, DTYPE, RNE_BY_BITS).to(DTYPE)

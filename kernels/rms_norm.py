@@ -26,8 +26,10 @@ dw term are rounded to dy's dtype as eager's bf16 ``w * xhat.to(dtype)`` backwar
 dw is reduced without atomics (deterministic): each program of the persistent backward grid keeps
 an fp32 [D] partial sum in registers over its rows and writes it to partial[pid, :]; a second small
 kernel (kernels/_rms_norm_dw.py) sums the [P, D] partials over P and rounds to weight.dtype.
-``fxfuse::rms_norm_backward_add(dy, x, w, r, ...)`` returns (dx + r, dw): the pre-norm block's
-residual-gradient add, rounded as eager's add, in the same pass (fxfuse/fold_add.py puts it there).
+``fxfuse::rms_norm_backward_add(dy, x, w, r, ..., dy2, dy3)`` returns (dx + r, dw) for the gradient
+dy + dy2 + dy3: a pre-norm block's residual-gradient add and the sum of the branch gradients that
+meet at the norm's output, each rounded as eager's add, in the same pass (kernels/_rms_norm_bwd.py;
+fxfuse/fold_add.py puts them there).
 
 Launch (kernels/_rms_norm_launch.py): the forward runs one program per tile of rows, or, for rows
 of 8K+ elements, a persistent grid of 1-D row steps whose loop loads the next rows while one is
@@ -50,11 +52,12 @@ import triton
 import triton.language as tl
 
 from . import _rms_norm_launch as launch
+from ._rms_norm_bwd import _rms_norm_bwd_kernel
 from ._rms_norm_chunked import chunked_forward, scale_row
 from ._rms_norm_dw import reduce_dw
-from ._rms_norm_split import grad_out, split_backward
+from ._rms_norm_split import split_backward
 from ._dispatch import no_double_backward, register_autograd, use_triton
-from ._round import rne_by_bits, round_code, round_dtype, round_ref, round_to
+from ._round import rne_by_bits, round_code, round_ref
 
 _MAX_BLOCK_N = 65536
 
@@ -131,78 +134,6 @@ def _rms_norm_fwd_rows_kernel(
         tl.store(y_ptr + row64 * D + cols, y, mask=col_mask)
 
 
-@triton.jit
-def _rms_norm_bwd_kernel(
-    dy_ptr,  # [M, D] out_dtype, contiguous (row stride D)
-    x_ptr,  # [M, D] x.dtype, row stride stride_x, col stride 1
-    w_ptr,  # [D] weight.dtype, contiguous (dummy pointer when HAS_WEIGHT is False)
-    dx_ptr,  # [M, D] x.dtype, contiguous (row stride D)
-    dw_partial_ptr,  # [P, D] fp32, contiguous; P = number of programs (only read if COMPUTE_DW)
-    M,
-    D,
-    stride_x,
-    eps,
-    offset,
-    HAS_WEIGHT: tl.constexpr,
-    COMPUTE_DW: tl.constexpr,
-    ROUND: tl.constexpr,  # eager's roundings of w * xhat.to(dtype)'s grads: dy * w and dy * xhat
-    RNE_BY_BITS: tl.constexpr,
-    INDEPENDENT_SUMS: tl.constexpr,  # sum(g * xhat) as rstd * sum(g * xf) (module doc)
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr = False,  # the dw reduction is launched dependent: let its blocks launch now
-    res_ptr=None,  # [M, D] x.dtype, contiguous, added to dx (rms_norm_backward_add); last: probes pass the rest
-    HAS_RES: tl.constexpr = False,
-    ADD_RN: tl.constexpr = False,  # CUDA (the interpreter runs no PTX; its numpy add is not contracted)
-):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    num_progs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < D
-    w = 0.0
-    if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-    dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-
-    for row_block in tl.range(pid, tl.cdiv(M, BLOCK_M), num_progs, num_stages=NUM_STAGES):
-        rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        rows64 = rows.to(tl.int64)
-        mask = (rows < M)[:, None] & col_mask[None, :]
-        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        dy = tl.load(dy_ptr + rows64[:, None] * D + cols[None, :], mask=mask, other=0.0)
-        xf = x.to(tl.float32)
-        dyf = dy.to(tl.float32)
-        g = grad_out(dyf, w, HAS_WEIGHT, ROUND, RNE_BY_BITS)  # w [BLOCK_N] broadcast over the rows
-        sxx = tl.sum(xf * xf, axis=1)
-        if INDEPENDENT_SUMS:
-            sgx = tl.sum(g * xf, axis=1)
-        rstd = tl.math.rsqrt(sxx / D + eps)
-        xhat = xf * rstd[:, None]
-        if INDEPENDENT_SUMS:
-            c = sgx * rstd / D
-        else:
-            c = tl.sum(g * xhat, axis=1) / D
-        dx = rstd[:, None] * (g - xhat * c[:, None])
-        dx = round_dtype(dx, dx_ptr.dtype.element_ty, RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
-        if HAS_RES:  # as eager's add of the two x.dtype gradients: fp32 sum, one rounding
-            r = tl.load(res_ptr + rows64[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            if ADD_RN:  # add.rn: never contracted with fp32 dx's product into an fma (1 ulp off eager's)
-                total = tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [dx.to(tl.float32), r],
-                                                  dtype=tl.float32, is_pure=True, pack=1)
-            else:
-                total = dx.to(tl.float32) + r
-            dx = round_dtype(total, dx_ptr.dtype.element_ty, RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
-        tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx, mask=mask)
-        if COMPUTE_DW:
-            dw_acc += round_to(dyf * round_to(xhat, ROUND, RNE_BY_BITS), ROUND, RNE_BY_BITS)
-
-    if COMPUTE_DW:
-        tl.store(dw_partial_ptr + pid.to(tl.int64) * D + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as an [M, D] view with contiguous last dim (copied only when no such view exists)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -226,8 +157,8 @@ _lib.define(
     tags=(torch.Tag.pt2_compliant_tag,),
 )
 _lib.define(
-    "rms_norm_backward_add(Tensor dy, Tensor x, Tensor? weight, Tensor residual, float eps, float offset, "
-    "bool compute_dw, bool eager_rounding=False) -> (Tensor, Tensor)",
+    "rms_norm_backward_add(Tensor dy, Tensor x, Tensor? weight, Tensor? residual, float eps, float offset, "
+    "bool compute_dw, bool eager_rounding=False, Tensor? dy2=None, Tensor? dy3=None) -> (Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,),
 )
 
@@ -272,15 +203,26 @@ def _rms_norm_backward(
     compute_dw: bool,
     eager_rounding: bool = False,
     residual: Optional[torch.Tensor] = None,
+    dy_more: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [x.shape] x.dtype, dw [D] weight.dtype); dw is an empty [0] tensor unless compute_dw.
     eager_rounding: the grads of ``w * xhat.to(dtype)`` round as eager's product (dy's dtype).
-    residual [x.shape] x.dtype: dx + residual instead of dx (one rounding more, as eager's add)."""
+    residual [x.shape] x.dtype: dx + residual instead of dx (one rounding more, as eager's add).
+    dy_more (up to two [dy.shape] dy.dtype): the gradient is (dy + dy_more[0]) + dy_more[1], each add
+    rounded as eager's."""
     compute_dw = compute_dw and weight is not None
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"fxfuse::rms_norm_backward_add: residual {residual.dtype}{list(residual.shape)} "
-                         f"must have x's shape and dtype, {x.dtype}{list(x.shape)}")
-    if not _fits_triton(x):
+    for name, t, like in [("residual", residual, x)] + [(f"dy{i}", t, dy) for i, t in enumerate(dy_more, 2)]:
+        if t is not None and (t.shape != like.shape or t.dtype != like.dtype):
+            what = "x" if like is x else "dy"
+            raise ValueError(f"fxfuse::rms_norm_backward_add: {name} {t.dtype}{list(t.shape)} must have "
+                             f"{what}'s shape and dtype, {like.dtype}{list(like.shape)}")
+    fits = _fits_triton(x)
+    split = launch.bwd_split_launch(x.numel() // x.shape[-1], x.shape[-1], x.element_size(), x.device) if fits else None
+    if not fits or split is not None:  # dy_more summed by separate adds, as unfused
+        for part in dy_more:
+            dy = dy + part
+        dy_more = ()
+    if not fits:
         dx, dw = _rms_norm_backward_reference(dy, x, weight, eps, offset, compute_dw, eager_rounding)
         dx = dx if residual is None else dx + residual
         return dx, dw if compute_dw else x.new_empty((0,))
@@ -291,7 +233,6 @@ def _rms_norm_backward(
     w = weight.contiguous() if weight is not None else x2
     round_ = round_code(dy.dtype, eager_rounding and weight is not None)
     pdl = compute_dw and launch.dw_pdl(x.device)  # the dw reduction waits on the GPU (split backward: exit trigger)
-    split = launch.bwd_split_launch(m, d, x.element_size(), x.device)
     if split is not None:
         grid = split[0]  # row groups: one [D] partial each
         partial = torch.empty((grid, d) if compute_dw else (1,), dtype=torch.float32, device=x.device)
@@ -300,11 +241,14 @@ def _rms_norm_backward(
         if residual is not None:  # rows past 8K elements: a separate add, as unfused
             dx.add_(residual)
     else:
-        loads = 2 if residual is None else 3  # rows of x, dy (and residual) staged per row of the tile
+        # rows of x, dy (dy_more, residual) staged per row of the tile
+        loads = 2 + len(dy_more) + (residual is not None)
         grid, block_m, block_n, num_warps, num_stages = launch.bwd_launch(m, d, x.element_size(), x.device, loads)
         partial = torch.empty((grid, d) if compute_dw else (1,), dtype=torch.float32, device=x.device)
-        res = {} if residual is None else dict(res_ptr=residual.reshape(m, d).contiguous(), HAS_RES=True,
-                                               ADD_RN=x.is_cuda)
+        res = dict(ADD_RN=x.is_cuda, NUM_DY=1 + len(dy_more),
+                   **{f"dy{i}_ptr": t.reshape(m, d).contiguous() for i, t in enumerate(dy_more, 2)})
+        if residual is not None:
+            res.update(res_ptr=residual.reshape(m, d).contiguous(), HAS_RES=True)
         _rms_norm_bwd_kernel[(grid,)](
             dy2, x2, w, dx, partial, m, d, x2.stride(0), eps, offset,
             HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, ROUND=round_, RNE_BY_BITS=rne_by_bits(x.device),
@@ -314,10 +258,12 @@ def _rms_norm_backward(
     return dx, reduce_dw(partial, weight.dtype, pdl) if compute_dw else x.new_empty((0,))
 
 
-def _rms_norm_backward_add(dy, x, weight, residual, eps, offset, compute_dw, eager_rounding=False):
-    """fxfuse::rms_norm_backward_add: (dx + residual, dw), one pass (fxfuse/fold_add.py folds the
-    residual stream's gradient add of a pre-norm block into the backward with it)."""
-    return _rms_norm_backward(dy, x, weight, eps, offset, compute_dw, eager_rounding, residual)
+def _rms_norm_backward_add(dy, x, weight, residual, eps, offset, compute_dw, eager_rounding=False, dy2=None,
+                           dy3=None):
+    """fxfuse::rms_norm_backward_add: the backward of dy + dy2 + dy3 (those given), plus residual (if
+    given) on dx, in one pass: fxfuse/fold_add.py folds the adds around a pre-norm block's norm into it."""
+    more = tuple(t for t in (dy2, dy3) if t is not None)
+    return _rms_norm_backward(dy, x, weight, eps, offset, compute_dw, eager_rounding, residual, more)
 
 
 # Plain Library registration, not torch.library.custom_op: custom_op's Python dispatch and
@@ -340,7 +286,7 @@ def _fake_backward(dy, x, weight, eps, offset, compute_dw, eager_rounding=False)
 
 
 @torch.library.register_fake("fxfuse::rms_norm_backward_add", lib=_lib)
-def _(dy, x, weight, residual, eps, offset, compute_dw, eager_rounding=False):
+def _(dy, x, weight, residual, eps, offset, compute_dw, eager_rounding=False, dy2=None, dy3=None):
     return _fake_backward(dy, x, weight, eps, offset, compute_dw)
 
 

@@ -300,6 +300,24 @@ def test_rms_norm_backward_add_is_backward_then_add_on_cuda(rows, d, dtype):
     assert torch.equal(got, dx + r) and torch.equal(got_dw, dw)
 
 
+@pytest.mark.parametrize("rows,d", [(8192, 2048), (8192, 1536), (199, 2304), (2, 8200)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts", [2, 3])
+def test_rms_norm_backward_add_sums_dy_on_cuda(rows, d, dtype, parts):
+    """rms_norm_backward_add with dy's addends (fxfuse/fold_add.py's dy sums): bit for bit the
+    backward of eager's (a + b) + c, plus the residual, through the compiled kernel's add.rn sums
+    (rows of 8K+1 elements: the sum first, then the split backward)."""
+    from fxfuse.kernels.rms_norm import rms_norm_backward, rms_norm_backward_add
+
+    g = torch.Generator(device="cuda").manual_seed(parts)
+    x, r, *dys = (torch.randn(rows, d, device="cuda", generator=g).to(dtype) for _ in range(2 + parts))
+    w = (1 + 0.3 * torch.randn(d, device="cuda", generator=g)).to(dtype)
+    dy = dys[0] + dys[1] if parts == 2 else (dys[0] + dys[1]) + dys[2]
+    dx, dw = rms_norm_backward(dy, x, w, 1e-6, 0.0, True)
+    got, got_dw = rms_norm_backward_add(dys[0], x, w, r, 1e-6, 0.0, True, False, *dys[1:])
+    assert torch.equal(got, dx + r) and torch.equal(got_dw, dw)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["halves", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 7), (199, 1030), (4096, 1536)])

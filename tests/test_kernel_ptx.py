@@ -60,9 +60,10 @@ def gpu_launches(monkeypatch):
         f.cache_clear()
 
 
-def _rms(m, d, pdl=True, residual=False):
+def _rms(m, d, pdl=True, folded=False):
     """pdl: the dw reduction a programmatic dependent launch, as on sm_90+ (launch.dw_pdl); False: as
-    before. residual: the backward with the residual-gradient add folded in (fxfuse/fold_add.py)."""
+    before. folded: the backward with the residual-gradient add and a three-way dy sum folded in
+    (fxfuse/fold_add.py: five staged loads per row)."""
     from fxfuse.kernels import _rms_norm_launch as launch
     from fxfuse.kernels import rms_norm as k
 
@@ -70,7 +71,7 @@ def _rms(m, d, pdl=True, residual=False):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(launch, "dw_pdl", lambda device: pdl)
         k._rms_norm(x, w, 1e-6, 0.0, True, BF)
-        k._rms_norm_backward(x, x, w, 1e-6, 0.0, True, residual=x if residual else None)
+        k._rms_norm_backward(x, x, w, 1e-6, 0.0, True, residual=x if folded else None, dy_more=(x, x) * folded)
 
 
 def _ops(module: str):
@@ -114,7 +115,7 @@ CASES = {  # step on training shapes, the kernels it launches
     "rms_norm 4096x8192 no pdl": (lambda: _rms(4096, 8192, pdl=False), ["_rms_norm_bwd_kernel", "_dw_reduce_kernel"]),
     "rms_norm 16384x4096": (lambda: _rms(16384, 4096),
                             ["_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_dw_reduce_kernel"]),
-    "rms_norm_backward_add 8192x2048": (lambda: _rms(8192, 2048, residual=True),
+    "rms_norm_backward_add 8192x2048": (lambda: _rms(8192, 2048, folded=True),
                                         ["_rms_norm_bwd_kernel", "_dw_reduce_kernel"]),
     "swiglu 8192x14336": (lambda: _swiglu(8192, 14336), ["_swiglu_fwd_kernel", "_swiglu_bwd_kernel"]),
     "swiglu_packed 8192x14336": (lambda: _swiglu_packed(8192, 14336), ["_swiglu_fwd_kernel", "_swiglu_bwd_kernel"]),
@@ -148,15 +149,18 @@ def test_global_accesses_are_16_byte_vectors(tmp_path, gpu_launches, case):
         assert ("griddepcontrol." + pdl[name] in ptx if name in pdl else "griddepcontrol" not in ptx), name
 
 
-def test_fp32_residual_add_is_never_an_fma(tmp_path, gpu_launches):
-    """rms_norm_backward_add on CUDA (ADD_RN, which x.is_cuda sets) sums dx and the residual with
-    add.rn.f32, which ptxas does not contract with dx's product into an fma: in fp32 the sum is then
-    eager's add bit for bit (the contracted fma was 1 ulp off on the H100, fortieth session)."""
+def test_fp32_sums_are_never_an_fma(tmp_path, gpu_launches):
+    """rms_norm_backward_add on CUDA (ADD_RN, which x.is_cuda sets) sums dx and the residual, and dy's
+    addends, with add.rn.f32, which ptxas does not contract with a product into an fma: in fp32 each
+    sum is then eager's add bit for bit (the contracted fma was 1 ulp off on the H100, fortieth
+    session). dy's two adds bring more add.rn than the residual's alone."""
     from fxfuse.kernels import rms_norm as k
 
     x, w = E(64, 2048), E(2048)
-    fn, names, args, kwargs = gpu_launches(lambda: k._rms_norm_backward_add(x, x, w, x, 1e-6, 0.0, True))[
-        "_rms_norm_bwd_kernel"]
-    assert kwargs["HAS_RES"] and not kwargs["ADD_RN"]  # CPU tensors: the interpreter's numpy add
-    plain = sm90_ptx(tmp_path, fn, names, args, kwargs).count("add.rn.f32")
-    assert sm90_ptx(tmp_path, fn, names, args, {**kwargs, "ADD_RN": True}).count("add.rn.f32") > plain
+    fn, names, args, kwargs = gpu_launches(lambda: k._rms_norm_backward_add(x, x, w, x, 1e-6, 0.0, True, False,
+                                                                           x, x))["_rms_norm_bwd_kernel"]
+    assert kwargs["HAS_RES"] and not kwargs["ADD_RN"] and kwargs["NUM_DY"] == 3  # CPU: numpy adds
+    count = lambda **kw: sm90_ptx(tmp_path, fn, names, args, {**kwargs, **kw}).count("add.rn.f32")  # noqa: E731
+    residual_only = count(ADD_RN=True, NUM_DY=1, dy2_ptr=None, dy3_ptr=None)
+    assert count(ADD_RN=False) < count(ADD_RN=True)
+    assert count(ADD_RN=False, NUM_DY=1, dy2_ptr=None, dy3_ptr=None) < residual_only < count(ADD_RN=True)
