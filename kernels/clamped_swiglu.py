@@ -15,11 +15,12 @@ With round_act (backend option numerics="eager") a * g', s, glu and p are rounde
 where eager's bf16 / fp16 ops store them, so out equals eager's result up to sigmoid's last fp32 bit.
 
 Backward (g', u', s, glu, p recomputed from gate and up; only gate and up are saved):
-    dp   = dout * glu                       dup   = dp    where -L <= u <= L, else 0
+    dp   = dout * glu                       dup   = dp    where -L < u < L, else 0
     dglu = dout * p
     dg'  = dglu * s + (dglu * g') * (1 - s) * s * a
-                                            dgate = dg'   where g <= L, else 0
-    (clamp's subgradient at the bounds is 1, a NaN input gets 0: aten's clamp_backward.) With
+                                            dgate = dg'   where g < L, else 0
+    (at a bound, u = +-L or g = L, the gradient is the installed torch's clamp subgradient: 1 up to
+    torch 2.13, 0 from 2.14, _dispatch.clamp_grad_at_bounds; a NaN input gets 0.) With
     round_act each product above is rounded where eager's autograd stores it: dout * glu,
     dout * p, dglu * s, dglu * g' (= ds), sigmoid_backward's (ds * (1 - s)) * s, and its * a.
     sigmoid_backward itself rounds as eager's kernel on the op's device does (_sigmoid_bwd_steps):
@@ -33,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._dispatch import register_autograd
+from ._dispatch import clamp_grad_at_bounds, register_autograd
 from ._round import round_code, round_ref, round_to
 from ._gated import (GatedFunction, check_pair, copy_outputs, launch_backward, launch_forward,
                      load_pair, load_tile, store_out, store_pair)
@@ -122,6 +123,7 @@ def _clamped_swiglu_bwd_kernel(
     RNE_BY_BITS: tl.constexpr,
     LIBDEVICE: tl.constexpr,  # CUDA: libdevice's expf (see _sigmoid)
     SIG_STEPS: tl.constexpr,  # round_act: sigmoid_backward rounds each op (_sigmoid_bwd_steps)
+    AT_BOUNDS: tl.constexpr,  # clamp's gradient passes where an input equals a bound (torch <= 2.13)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -131,7 +133,13 @@ def _clamped_swiglu_bwd_kernel(
     g, u = load_pair(gate_ptr, up_ptr, rows, pid_n, M, I, stride_gm, stride_gn, stride_um, stride_un,
                      PAIR, True, BLOCK_M, BLOCK_N)
     gc, s, glu, p = _forward_terms(g, u, alpha, limit, ROUND, RNE_BY_BITS, LIBDEVICE)
-    du = tl.where((u >= -limit) & (u <= limit), round_to(dout * glu, ROUND, RNE_BY_BITS), 0.0)
+    if AT_BOUNDS:
+        u_in = (u >= -limit) & (u <= limit)
+        g_in = g <= limit
+    else:
+        u_in = (u > -limit) & (u < limit)
+        g_in = g < limit
+    du = tl.where(u_in, round_to(dout * glu, ROUND, RNE_BY_BITS), 0.0)
     dg = du
     if NEED_DGATE:
         dglu = round_to(dout * p, ROUND, RNE_BY_BITS)
@@ -143,7 +151,7 @@ def _clamped_swiglu_bwd_kernel(
         else:
             dz = round_to(ds * (1.0 - s) * s, ROUND, RNE_BY_BITS)
         d_sig = round_to(dz * alpha, ROUND, RNE_BY_BITS)
-        dg = tl.where(g <= limit, d_direct + d_sig, 0.0)
+        dg = tl.where(g_in, d_direct + d_sig, 0.0)
     if READ_BEFORE_WRITE:
         tl.debug_barrier()
     store_pair(dgate_ptr, dup_ptr, dg, du, rows, pid_n, M, I, stride_om, stride_on, OUT_PAIR, NEED_DGATE, NEED_DUP,
@@ -201,7 +209,7 @@ def clamped_swiglu_backward_into(
         return copy_outputs((dgate, dup), ref, (need_dgate, need_dup))
     launch_backward(_clamped_swiglu_bwd_kernel, grad_out, gate, up, dgate, dup, need_dgate, need_dup, (alpha, limit),
                     _MAX_TILE, ROUND=round_code(gate.dtype, round_act), LIBDEVICE=gate.is_cuda,
-                    SIG_STEPS=_sigmoid_bwd_steps(gate))
+                    SIG_STEPS=_sigmoid_bwd_steps(gate), AT_BOUNDS=clamp_grad_at_bounds())
 
 
 def clamped_swiglu_backward(
@@ -274,12 +282,13 @@ def _clamped_swiglu_backward_reference(grad_out, gate, up, alpha, limit, need_dg
     empty = gate.new_empty(0)
     dup = empty
     if need_dup:
-        dup = torch.where((u >= -limit) & (u <= limit), rnd(d * glu), 0.0).to(gate.dtype).contiguous()
+        inside = (u >= -limit) & (u <= limit) if clamp_grad_at_bounds() else (u > -limit) & (u < limit)
+        dup = torch.where(inside, rnd(d * glu), 0.0).to(gate.dtype).contiguous()
     dgate = empty
     if need_dgate:
         dglu = rnd(d * p)
         ds = rnd(dglu * gc)
         dz = rnd(rnd(ds * rnd(1.0 - s)) * s) if _sigmoid_bwd_steps(gate) else rnd(ds * (1.0 - s) * s)
         dg = rnd(dglu * s) + rnd(dz * alpha)
-        dgate = torch.where(g <= limit, dg, 0.0).to(gate.dtype).contiguous()
+        dgate = torch.where(g <= limit if clamp_grad_at_bounds() else g < limit, dg, 0.0).to(gate.dtype).contiguous()
     return dgate, dup

@@ -60,6 +60,20 @@ def test_fp32_matches_eager(shape, layout):
         assert rel_err(x, r) < 1e-5
 
 
+def test_bounds_rule_is_this_torchs_clamp():
+    """clamp_grad_at_bounds says what the installed torch's clamp does at a bound (subgradient 1
+    up to 2.13, 0 from 2.14), eager and compiled: the kernels' rule follows it."""
+    from fxfuse.kernels._dispatch import clamp_grad_at_bounds
+
+    def gate_and_up(t):  # the op's two clamps, each at its bound: t[0] = -L (up), t[1] = L (both)
+        return t.clamp(-LIMIT, LIMIT).sum() + t[1:].clamp(max=LIMIT).sum()
+
+    x = torch.tensor([-LIMIT, LIMIT], requires_grad=True)
+    for fn in (gate_and_up, torch.compile(gate_and_up, backend="aot_eager")):
+        (dx,) = torch.autograd.grad(fn(x), x)
+        assert dx.tolist() == ([1.0, 2.0] if clamp_grad_at_bounds() else [0.0, 0.0])
+
+
 def test_reference_backward_matches_autograd():
     """The hand-written derivative (kernel and reference share it) against autograd of the eager
     spelling in fp64, values on both sides of each clamp bound and exactly on it."""
