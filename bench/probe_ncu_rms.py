@@ -23,6 +23,7 @@ def workloads(m: int, d: int, dtype: torch.dtype) -> dict:
     x = torch.randn(m, d, device="cuda", dtype=dtype)
     dy = torch.randn_like(x)
     r = torch.randn_like(x)
+    a, b = torch.randn_like(x), torch.randn_like(x)  # dy's other addends: tensors of their own (no cache hits)
     w = torch.randn(d, device="cuda", dtype=dtype)
     y = torch.empty_like(x)
     eps = 1e-6
@@ -34,12 +35,19 @@ def workloads(m: int, d: int, dtype: torch.dtype) -> dict:
         "fxfuse bwd, no dw": lambda: k._rms_norm_backward(dy, x, w, eps, 0.0, False),
         "fxfuse bwd, then add dx + r (unfolded)": lambda: k._rms_norm_backward(dy, x, w, eps, 0.0, True)[0] + r,
         "fxfuse bwd_add (fxfuse/fold_add.py)": lambda: k._rms_norm_backward_add(dy, x, w, r, eps, 0.0, True),
-        "dy = (a + b) + c, then bwd_add (unfolded sum)":
-            lambda: k._rms_norm_backward_add((dy + r) + x, x, w, r, eps, 0.0, True),
-        "fxfuse bwd_add with dy's 3 addends": lambda: k._rms_norm_backward_add(dy, x, w, r, eps, 0.0, True, False, r, x),
-        "dy = a + b, then bwd_add (unfolded sum)": lambda: k._rms_norm_backward_add(dy + r, x, w, r, eps, 0.0, True),
-        "fxfuse bwd_add with dy's 2 addends": lambda: k._rms_norm_backward_add(dy, x, w, r, eps, 0.0, True, False, r),
+        "3-way add (one kernel), then bwd_add (unfolded sum)":
+            lambda: k._rms_norm_backward_add(sum3(dy, a, b), x, w, r, eps, 0.0, True),
+        "fxfuse bwd_add with dy's 3 addends":
+            lambda: k._rms_norm_backward_add(dy, x, w, r, eps, 0.0, True, False, a, b),
+        "dy + a, then bwd_add (unfolded sum)": lambda: k._rms_norm_backward_add(dy + a, x, w, r, eps, 0.0, True),
+        "fxfuse bwd_add with dy's 2 addends": lambda: k._rms_norm_backward_add(dy, x, w, r, eps, 0.0, True, False, a),
     }
+
+
+@torch.compile
+def sum3(a, b, c):
+    """Inductor's one-kernel three-way add, as in the compiled backward before the fold."""
+    return a + b + c
 
 
 def main() -> None:

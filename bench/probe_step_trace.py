@@ -60,8 +60,9 @@ def idle_table(events, steps: int, top: int) -> list[str]:
     cpu = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
     launches = {e.id: e for e in cpu if e.name.startswith(("cuda", "cu")) and "Launch" in e.name
                 or e.name.startswith(("cudaMemsetAsync", "cudaMemcpyAsync"))}
-    device = sorted((e for e in events if e.device_type != DeviceType.CPU and not e.is_async),
-                    key=lambda e: e.time_range.start)
+    # not the GPU-side spans of record_function ranges (Optimizer.step: they would hide its gaps)
+    device = sorted((e for e in events if e.device_type != DeviceType.CPU and not e.is_async
+                     and not getattr(e, "is_user_annotation", False)), key=lambda e: e.time_range.start)
     busy = idle = 0.0
     until = None
     by_phase, by_op, gaps = defaultdict(float), defaultdict(lambda: [0.0, 0]), []
@@ -118,8 +119,8 @@ def main() -> None:
         options[k] = {"True": True, "False": False}.get(v, v)
     cuda = a.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    spec = dict(device=a.device, dtype="bfloat16" if cuda else "float32", mode=a.mode, model=a.model, config={}, tiny=a.tiny, seed=0,
-                lr=3e-4, batch=a.batch, seq=a.seq, tokens=None, fxfuse_options=options)
+    spec = dict(device=a.device, dtype="bfloat16" if cuda else "float32", mode=a.mode, model=a.model, config={},
+                tiny=a.tiny, seed=0, lr=3e-4, batch=a.batch, seq=a.seq, tokens=None, fxfuse_options=options)
     model, call, opt, data = _setup(spec)
     times = []
     for i in range(a.warmup):
@@ -128,7 +129,8 @@ def main() -> None:
         train_step(call, opt, data(i)).item()
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    print(f"{a.mode} {a.model} {a.batch}x{a.seq} on {torch.cuda.get_device_name() if cuda else 'cpu'}: unprofiled steps "
+    where = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"{a.mode} {a.model} {a.batch}x{a.seq} on {where}: unprofiled steps "
           + " ".join(f"{t:.1f}" for t in times[-3:]) + " ms")
     from torch.profiler import ProfilerActivity, profile
 

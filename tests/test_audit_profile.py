@@ -66,6 +66,14 @@ def test_attribution_of_gpu_kernels():
     assert per_pattern["rms_norm"] == pytest.approx(0.04)
     assert parts["rms_norm"]["_dw_reduce_kernel (in fxfuse::rms_norm_backward)"] == [pytest.approx(0.002), 1]
 
+    # The GPU-side span of a record_function range (the profiler's gpu_user_annotation, here one
+    # starting before the kernels it covers) is no work of its own: the kernels keep their time.
+    note = gpu("Optimizer.step#AdamW.step", -5, 200)
+    note.is_user_annotation = True
+    per_pattern, per_name, total, _ = attribute(events + [note], cuda=True)
+    assert "Optimizer.step#AdamW.step" not in per_name and total == pytest.approx(0.17)
+    assert per_pattern["rms_norm"] == pytest.approx(0.07)
+
 
 def test_memory_peak_replays_the_allocator_trace():
     """peak_blocks finds the peak of live bytes and groups what is alive there by source line."""
