@@ -18,7 +18,7 @@ import os
 import sys
 
 from fxfuse.audit import _finish, add_arguments, run_audit
-from fxfuse.audit_render import graphs_text, inputs_text, options_text, seq_text
+from fxfuse.audit_render import graphs_text, inputs_text, options_text, post_grad_text, seq_text
 from fxfuse.audit_compare import render_lines
 
 CASES = {"llama-1b": (4, 2048), "qwen2-1.5b": (4, 2048), "gemma2-2b": (2, 2048)}  # batch, seq (DESIGN.md)
@@ -67,6 +67,8 @@ def markdown(audit: dict) -> str:
                   + (", ".join(f"{p} {agg['recomputed_bytes_per_step'] / 2**30:.2f} GiB"
                                for p, agg in fx["removed"].items() if agg.get("recomputed_bytes_per_step"))
                      or "none")]
+        if fx.get("post_grad"):
+            lines.append(post_grad_text(fx["post_grad"]))
     return "\n".join(lines)
 
 

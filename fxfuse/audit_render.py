@@ -131,4 +131,20 @@ def render(audit: dict) -> str:
                 lines.append(f"      {t['tensor']}:{t['dtype']}{t['shape']}  {size}  ({t['module'] or 'top level'})")
         for s in r["report"]["unmatched"][:5]:
             lines.append(f"  unmatched {s['pattern']} at {s['module'] or 'top level'}: {s['reason']}")
+        if r.get("post_grad"):
+            lines.append("  " + post_grad_text(r["post_grad"]))
     return "\n".join(lines)
+
+
+def post_grad_text(counts: dict) -> str:
+    """One line on what fxfuse's post-grad passes did in the compiled backward(s) of a run."""
+    c = counts
+    done = (f"post-grad (Inductor backward): {c['residual_adds_folded']} residual-gradient adds and "
+            f"{c['gradient_sums_folded']} gradient sums folded into the RMSNorm backward "
+            f"({c['fold_bytes_unwritten'] / MIB:.2f} MiB no longer written per backward run), "
+            f"{c['gradients_in_place']} gated-MLP gradients written in place")
+    if c["cache_hits"] and not any(v for k, v in c.items() if k != "cache_hits"):
+        return (f"post-grad (Inductor backward): not run in this process ({c['cache_hits']} compile cache "
+                "hits reused code compiled earlier, with whatever the passes did then)")
+    return done + (f"; {c['cache_hits']} compile cache hits (graphs reused as compiled earlier, not counted)"
+                   if c["cache_hits"] else "")

@@ -279,6 +279,17 @@ def train_step(call, opt, batch: dict) -> torch.Tensor:
     return loss.detach()
 
 
+def post_grad_counts() -> dict:
+    """What fxfuse's Inductor post-grad passes did in this process so far (fxfuse/fold_add.py,
+    fxfuse/reinplace.py), and Inductor / AOTAutograd cache hits: a hit reuses compiled code
+    without running the passes, so their counts stay 0 for that graph."""
+    from torch._dynamo.utils import counters
+
+    keys = ("residual_adds_folded", "gradient_sums_folded", "fold_bytes_unwritten", "gradients_in_place")
+    return {**{k: counters["fxfuse"][k] for k in keys},
+            "cache_hits": counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]}
+
+
 def _setup(spec: dict):
     device, dtype = spec["device"], getattr(torch, spec["dtype"])
     if device.startswith("cuda") and spec.get("mem_limit_gib"):
@@ -309,6 +320,7 @@ def run(spec: dict) -> dict:
 
     n_reports = len(fxfuse.compiled_reports())
     graphs_before, runs_before = counters["stats"]["unique_graphs"], RUNS.copy()
+    passes_before = post_grad_counts()
     model, call, opt, data = _setup(spec)
     sched = lr_schedule(opt, spec.get("lr_warmup", 0))
     losses, times, mem = [], [], []
@@ -354,6 +366,8 @@ def run(spec: dict) -> dict:
         "step_time_ms": step_s * 1e3, "tokens_per_s": rate,
         "graphs_compiled": counters["stats"]["unique_graphs"] - graphs_before,
         "mask_checks": dict(RUNS - runs_before) if spec["mode"] == "fxfuse" else None,
+        "post_grad": ({k: v - passes_before[k] for k, v in post_grad_counts().items()}
+                      if spec["mode"] == "fxfuse" else None),
         "timed_steps": len(timed),
         "peak_allocated_mib": peak_alloc, "peak_reserved_mib": peak_reserved if cuda else None,
         "memory_source": "torch.cuda.max_memory_allocated/reserved" if cuda else "peak RSS (getrusage ru_maxrss)",

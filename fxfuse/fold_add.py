@@ -100,20 +100,30 @@ def _residual_add(call: fx.Node, dx: fx.Node | None, dw: fx.Node | None, order: 
     return add, other
 
 
-def _fold(graph: fx.Graph, call: fx.Node, into, order: dict) -> tuple[int, int]:
-    """Fold call's residual add and dy sum (each where it applies); (residual adds, dy sums) folded."""
+def _nbytes(node: fx.Node | None) -> int:
+    """Bytes of node's tensor at static shapes (0 for None or symbolic sizes)."""
+    val = node.meta.get("val") if node is not None else None
+    if not isinstance(val, torch.Tensor) or not all(isinstance(n, int) for n in val.shape):
+        return 0
+    return val.numel() * val.element_size()
+
+
+def _fold(graph: fx.Graph, call: fx.Node, into, order: dict) -> tuple[int, int, int]:
+    """Fold call's residual add and dy sum (each where it applies); (residual adds, dy sums, bytes no
+    longer written: dx where the residual add folds, the summed dy where the sum does)."""
     # dy, x, w, eps, offset, compute_dw[, eager_rounding]: positional, as autograd calls it (the
     # trace drops eager_rounding=False, its default)
     if len(call.args) not in (6, 7) or call.kwargs:
-        return 0, 0
+        return 0, 0, 0
     outs = {u.args[1]: u for u in call.users if u.target is operator.getitem}
     if len(outs) != len(call.users):
-        return 0, 0
+        return 0, 0, 0
     dx, dw = outs.get(0), outs.get(1)
     add, residual = _residual_add(call, dx, dw, order)
     parts, sums = _dy_parts(call)
     if add is None and not parts:
-        return 0, 0
+        return 0, 0, 0
+    unwritten = (_nbytes(dx) if add is not None else 0) + (_nbytes(call.args[0]) if parts else 0)
     dy, x, w, eps, offset, compute_dw, *rounding = call.args
     dys = parts or [dy]
     args = (dys[0], x, w, residual, eps, offset, compute_dw, rounding[0] if rounding else False,
@@ -134,24 +144,25 @@ def _fold(graph: fx.Graph, call: fx.Node, into, order: dict) -> tuple[int, int]:
     for out in outputs:
         if not out.users:
             graph.erase_node(out)
-    return int(add is not None), int(bool(parts))
+    return int(add is not None), int(bool(parts)), unwritten
 
 
 def fold_adds(graph: fx.Graph) -> tuple[int, int]:
     """Fold every foldable residual-gradient add and dy sum into the RMSNorm backward (module doc);
-    returns (residual adds, dy sums) folded."""
+    returns (residual adds, dy sums) folded. Counted in ``counters["fxfuse"]``: residual_adds_folded,
+    gradient_sums_folded, fold_bytes_unwritten (per run of the graph, static shapes only)."""
     bwd, into = _targets()
     calls = [n for n in graph.nodes if n.op == "call_function" and n.target is bwd]
     if not calls:
         return 0, 0
     order = {n: i for i, n in enumerate(graph.nodes)}
-    folds = [_fold(graph, call, into, order) for call in calls]
-    residual, sums = sum(f[0] for f in folds), sum(f[1] for f in folds)
+    residual, sums, unwritten = (sum(f) for f in zip(*[_fold(graph, call, into, order) for call in calls]))
     if residual or sums:
         log.debug("fxfuse.fold_add: folded into the RMSNorm backward: %d residual-gradient adds, %d sums of "
-                  "branch gradients", residual, sums)
+                  "branch gradients (%d bytes no longer written)", residual, sums, unwritten)
         from torch._dynamo.utils import counters
 
         counters["fxfuse"]["residual_adds_folded"] += residual
         counters["fxfuse"]["gradient_sums_folded"] += sums
+        counters["fxfuse"]["fold_bytes_unwritten"] += unwritten
     return residual, sums

@@ -361,3 +361,20 @@ def test_checkpointing_run_fuses_inside_the_checkpointed_layers(tmp_path):
     assert fx["report"]["counts"] == {"rms_norm": 3, "rope": 1, "swiglu": 1, "linear_cross_entropy": 1}
     assert audit["divergence"]["fxfuse"]["max_rel"] < 1e-5, audit["divergence"]
 
+
+
+def test_run_reports_what_the_post_grad_passes_did(monkeypatch):
+    """The fxfuse row of a run under Inductor says how many adds the backward's post-grad pass folded
+    and how many bytes they no longer write (one Llama layer: its two norms fold their residual add
+    and their dy sum, four [2, 8, 64] fp32 tensors); a cache hit is said to hide the counts."""
+    from fxfuse.audit_render import post_grad_text
+
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # a hit would skip the pass
+    r = worker.run(_fit_spec(job="run", mode="fxfuse", fxfuse_inner="inductor", steps=1))
+    assert r["status"] == "ok"
+    assert r["post_grad"] == {"residual_adds_folded": 2, "gradient_sums_folded": 2,
+                              "fold_bytes_unwritten": 4 * 2 * 8 * 64 * 4, "gradients_in_place": 1, "cache_hits": 0}
+    assert post_grad_text(r["post_grad"]).startswith("post-grad (Inductor backward): 2 residual-gradient adds and "
+                                                     "2 gradient sums folded into the RMSNorm backward (0.02 MiB")
+    hit = dict.fromkeys(r["post_grad"], 0) | {"cache_hits": 2}
+    assert "not run in this process (2 compile cache hits" in post_grad_text(hit)
