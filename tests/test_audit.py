@@ -375,6 +375,9 @@ def test_run_reports_what_the_post_grad_passes_did(monkeypatch):
     assert r["post_grad"] == {"residual_adds_folded": 2, "gradient_sums_folded": 2,
                               "fold_bytes_unwritten": 4 * 2 * 8 * 64 * 4, "gradients_in_place": 1, "cache_hits": 0}
     assert post_grad_text(r["post_grad"]).startswith("post-grad (Inductor backward): 2 residual-gradient adds and "
-                                                     "2 gradient sums folded into the RMSNorm backward (0.02 MiB")
+                                                     "2 gradient sums folded into the RMSNorm backward (0.02 MiB no "
+                                                     "longer written")
     hit = dict.fromkeys(r["post_grad"], 0) | {"cache_hits": 2}
     assert "not run in this process (2 compile cache hits" in post_grad_text(hit)
+    dynamic = r["post_grad"] | {"fold_bytes_unwritten": 0}  # symbolic sizes: the pass counts no bytes
+    assert "(bytes not counted: symbolic sizes)" in post_grad_text(dynamic)

@@ -135,3 +135,28 @@ def test_llama_folds_with_parity(options, folds):
     _, loss_err, grad_err = inductor_in_place(model, {"input_ids": ids, "labels": ids}, options)
     folded = counters["fxfuse"]["residual_adds_folded"], counters["fxfuse"]["gradient_sums_folded"]
     assert folded == (folds, folds) and loss_err < 1e-5 and grad_err < 1e-5
+
+
+def test_llama_dynamic_shapes_folds_in_the_one_graph():
+    """dynamic=True: one graph for two sequence lengths, its backward folds both kinds of add (4 + 4,
+    symbolic sizes compared as such), loss and gradients as eager at both lengths."""
+    import copy
+
+    from tests.helpers import loss_and_grads, rel_err
+
+    model = hf_model("llama", num_hidden_layers=2)
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    counters.clear()
+    # causal_attention off: its is_causal variant of the graph would compile (and fold) a second time
+    compiled = torch.compile(model, backend="fxfuse", dynamic=True, options={"inner": "inductor",
+                                                                              "causal_attention": False})
+    g = torch.Generator().manual_seed(3)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        for length in (9, 13):
+            ids = torch.randint(0, model.config.vocab_size, (2, length), generator=g)
+            loss, grads = loss_and_grads(model, {"input_ids": ids, "labels": ids}, call=compiled)
+            ref_loss, ref_grads = loss_and_grads(ref, {"input_ids": ids, "labels": ids})
+            assert rel_err(loss, ref_loss) < 1e-5 and max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 1e-5
+    assert counters["stats"]["unique_graphs"] == 1
+    assert (counters["fxfuse"]["residual_adds_folded"], counters["fxfuse"]["gradient_sums_folded"]) == (4, 4)
