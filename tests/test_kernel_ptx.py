@@ -98,10 +98,17 @@ def _softcapped(m, i):
     _ops("softcapped_swiglu").softcapped_swiglu_backward(g, g, g, 30.0, 30.0, True, True)
 
 
-def _clamped(m, i):
+def _clamped(m, i, at_bounds=None):
+    """at_bounds: clamp's gradient at a bound as torch <= 2.13 (True) or >= 2.14 (False) gives it;
+    None: as the installed torch does."""
+    from fxfuse.kernels import clamped_swiglu
+
     g = E(m, i, dtype=BF)
-    _ops("clamped_swiglu").clamped_swiglu(g, g, 1.702, 7.0)
-    _ops("clamped_swiglu").clamped_swiglu_backward(g, g, g, 1.702, 7.0, True, True)
+    with pytest.MonkeyPatch.context() as mp:
+        if at_bounds is not None:
+            mp.setattr(clamped_swiglu, "clamp_grad_at_bounds", lambda: at_bounds)
+        _ops("clamped_swiglu").clamped_swiglu(g, g, 1.702, 7.0)
+        _ops("clamped_swiglu").clamped_swiglu_backward(g, g, g, 1.702, 7.0, True, True)
 
 
 def _rope(b, t):
@@ -123,6 +130,9 @@ CASES = {  # step on training shapes, the kernels it launches
                                      ["_softcapped_swiglu_fwd_kernel", "_softcapped_swiglu_bwd_kernel"]),
     "clamped_swiglu 8192x2880": (lambda: _clamped(8192, 2880),
                                  ["_clamped_swiglu_fwd_kernel", "_clamped_swiglu_bwd_kernel"]),
+    # both clamp-bound rules compiled whatever torch runs the tests (torch 2.14 changed it)
+    "clamped_swiglu bounds of torch <= 2.13": (lambda: _clamped(8192, 2880, True), ["_clamped_swiglu_bwd_kernel"]),
+    "clamped_swiglu bounds of torch >= 2.14": (lambda: _clamped(8192, 2880, False), ["_clamped_swiglu_bwd_kernel"]),
     "rope 4x4096": (lambda: _rope(4, 4096), ["_rope_kernel"]),
 }
 
@@ -164,3 +174,14 @@ def test_fp32_sums_are_never_an_fma(tmp_path, gpu_launches):
     residual_only = count(ADD_RN=True, NUM_DY=1, dy2_ptr=None, dy3_ptr=None)
     assert count(ADD_RN=False) < count(ADD_RN=True)
     assert count(ADD_RN=False, NUM_DY=1, dy2_ptr=None, dy3_ptr=None) < residual_only < count(ADD_RN=True)
+
+
+def test_clamp_bound_rules_compile_apart(tmp_path, gpu_launches):
+    """The clamped SwiGLU backward under each clamp-bound rule is its own sm_90 kernel: the
+    launches carry AT_BOUNDS as asked and the PTX differs (inclusive against strict comparisons)."""
+    ptx = {}
+    for rule in (True, False):
+        fn, names, args, kwargs = gpu_launches(lambda: _clamped(64, 2880, rule))["_clamped_swiglu_bwd_kernel"]
+        assert kwargs["AT_BOUNDS"] is rule
+        ptx[rule] = sm90_ptx(tmp_path, fn, names, args, kwargs)
+    assert ptx[True] != ptx[False]
