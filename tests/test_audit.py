@@ -363,14 +363,15 @@ def test_checkpointing_run_fuses_inside_the_checkpointed_layers(tmp_path):
 
 
 
-def test_run_reports_what_the_post_grad_passes_did(monkeypatch):
+def test_run_reports_what_the_post_grad_passes_did():
     """The fxfuse row of a run under Inductor says how many adds the backward's post-grad pass folded
     and how many bytes they no longer write (one Llama layer: its two norms fold their residual add
     and their dy sum, four [2, 8, 64] fp32 tensors); a cache hit is said to hide the counts."""
     from fxfuse.audit_render import post_grad_text
 
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # a hit would skip the pass
-    r = worker.run(_fit_spec(job="run", mode="fxfuse", fxfuse_inner="inductor", steps=1))
+    # a cache hit would skip the pass (config.patch: monkeypatch's undo deletes a torch config entry)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        r = worker.run(_fit_spec(job="run", mode="fxfuse", fxfuse_inner="inductor", steps=1))
     assert r["status"] == "ok"
     assert r["post_grad"] == {"residual_adds_folded": 2, "gradient_sums_folded": 2,
                               "fold_bytes_unwritten": 4 * 2 * 8 * 64 * 4, "gradients_in_place": 1, "cache_hits": 0}
