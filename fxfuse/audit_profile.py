@@ -108,8 +108,7 @@ def attribute(events, cuda: bool) -> tuple[dict, dict, float, dict]:
 
     # GPU-side spans of record_function ranges (Optimizer.step#AdamW.step: ~20 ms a step on Llama-1B)
     # are no device work: counted, they would take the time of the kernels they cover
-    note = [e for e in events if getattr(e, "is_user_annotation", False) and e.device_type != DeviceType.CPU]
-    events = [e for e in events if not any(e is n for n in note)]
+    events = [e for e in events if not (getattr(e, "is_user_annotation", False) and e.device_type != DeviceType.CPU)]
     device = [e for e in events if cuda and not e.is_async and e.device_type != DeviceType.CPU]
     exclusive = exclusive_ms(device)
     # An op's kernels are copies (name, duration) of device events: find each one's exclusive ms.

@@ -140,15 +140,15 @@ def post_grad_text(counts: dict) -> str:
     """One line on what fxfuse's post-grad passes did in the backward graphs compiled during a run (a
     graph compiled twice, as the is_causal variant of a masked graph, counts twice)."""
     c = counts
+    if c["cache_hits"] and not any(v for k, v in c.items() if k != "cache_hits"):
+        return (f"post-grad (Inductor backward): not run in this process ({c['cache_hits']} compile cache "
+                "hits reused code compiled earlier, with whatever the passes did then)")
     folds = c["residual_adds_folded"] + c["gradient_sums_folded"]
     size = (f"{c['fold_bytes_unwritten'] / MIB:.2f} MiB no longer written, summed over the backward graphs "
             "compiled in the run: a step's when one runs per step"
             if c["fold_bytes_unwritten"] or not folds else "bytes not counted: symbolic sizes")
-    done = (f"post-grad (Inductor backward): {c['residual_adds_folded']} residual-gradient adds and "
+    return (f"post-grad (Inductor backward): {c['residual_adds_folded']} residual-gradient adds and "
             f"{c['gradient_sums_folded']} gradient sums folded into the RMSNorm backward ({size}), "
-            f"{c['gradients_in_place']} gated-MLP gradients written in place")
-    if c["cache_hits"] and not any(v for k, v in c.items() if k != "cache_hits"):
-        return (f"post-grad (Inductor backward): not run in this process ({c['cache_hits']} compile cache "
-                "hits reused code compiled earlier, with whatever the passes did then)")
-    return done + (f"; {c['cache_hits']} compile cache hits (graphs reused as compiled earlier, not counted)"
-                   if c["cache_hits"] else "")
+            f"{c['gradients_in_place']} gated-MLP gradients written in place"
+            + (f"; {c['cache_hits']} compile cache hits (graphs reused as compiled earlier, not counted)"
+               if c["cache_hits"] else ""))

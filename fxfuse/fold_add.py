@@ -57,14 +57,18 @@ def _meta(node: fx.Node, **extra) -> dict:
     return {**{k: v for k, v in node.meta.items() if k != "eager_input_vals"}, **extra}
 
 
+def _add_of_two(node) -> bool:
+    """node is aten.add.Tensor(a, b) of two distinct tensors, without alpha."""
+    return (isinstance(node, fx.Node) and node.target is torch.ops.aten.add.Tensor and not node.kwargs
+            and len(node.args) == 2 and node.args[0] is not node.args[1])
+
+
 def _plain_add(node, user: fx.Node) -> bool:
-    """node is aten.add.Tensor(a, b) without alpha, read by user alone, with a, b and the sum of one
-    shape and dtype and all three contiguous (the kernel reads each addend as rows)."""
+    """node is an _add_of_two read by user alone, with a, b and the sum of one shape and dtype and
+    all three contiguous (the kernel reads each addend as rows)."""
     from .reinplace import _contiguous
 
-    if not isinstance(node, fx.Node) or node.target is not torch.ops.aten.add.Tensor or node.kwargs:
-        return False
-    if len(node.args) != 2 or node.args[0] is node.args[1] or list(node.users) != [user]:
+    if not _add_of_two(node) or list(node.users) != [user]:
         return False
     a, b = node.args
     return isinstance(a, fx.Node) and isinstance(b, fx.Node) and _same(a, b, node) and _contiguous(a.meta["val"]) \
@@ -90,7 +94,7 @@ def _residual_add(call: fx.Node, dx: fx.Node | None, dw: fx.Node | None, order: 
     if dx is None or len(dx.users) != 1:
         return None, None
     add = next(iter(dx.users))
-    if add.target is not torch.ops.aten.add.Tensor or add.kwargs or len(add.args) != 2 or add.args[0] is add.args[1]:
+    if not _add_of_two(add):
         return None, None
     other = add.args[1] if add.args[0] is dx else add.args[0]
     if not isinstance(other, fx.Node) or not _same(dx, other, add):

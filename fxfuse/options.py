@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .kernels._dispatch import torch_version
 from .report import PATTERN_NAMES
 
 # The oldest torch fxfuse is tested on end to end: CPU CI runs 2.13, the H200 runs 2.11. Below it
@@ -11,13 +12,6 @@ from .report import PATTERN_NAMES
 # tied-embedding gradient with it: tests/test_opaque.py's ReversedMLP, dynamic shapes) and fused
 # calls carry a checkpoint region id (rewrite._tag_recompute). Versions 2.7-2.10 were not tried.
 TESTED_TORCH = (2, 11)
-
-
-def torch_version() -> tuple[int, int]:
-    import torch
-
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
 
 
 def tested_torch() -> bool:

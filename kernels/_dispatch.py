@@ -25,13 +25,17 @@ def num_sms(device: torch.device) -> int:
     return 4  # the interpreter runs programs one after another: a few suffice to test the loop
 
 
-@functools.lru_cache(maxsize=None)
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the installed torch ("2.14.1+cu130" -> (2, 14))."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def clamp_grad_at_bounds() -> bool:
     """Whether the installed torch's clamp passes the gradient where its input equals a bound: the
     subgradient 1 up to torch 2.13; from 2.14 the minimum-norm subgradient 0 (pytorch/pytorch#184572),
     in eager autograd and torch.compile's decomposition alike. Fused ops with a clamp follow it."""
-    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
-    return (major, minor) < (2, 14)
+    return torch_version() < (2, 14)
 
 
 def no_double_backward(op, outputs: tuple) -> tuple:
