@@ -57,28 +57,28 @@ def idle_table(events, steps: int, top: int) -> list[str]:
     and op of the CPU call that launched it (runtime launch and device event share a correlation id)."""
     from torch.autograd import DeviceType
 
+    from fxfuse.audit_profile import exclusive_ms
+
     cpu = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
     launches = {e.id: e for e in cpu if e.name.startswith(("cuda", "cu")) and "Launch" in e.name
                 or e.name.startswith(("cudaMemsetAsync", "cudaMemcpyAsync"))}
     # not the GPU-side spans of record_function ranges (Optimizer.step: they would hide its gaps)
     device = sorted((e for e in events if e.device_type != DeviceType.CPU and not e.is_async
                      and not getattr(e, "is_user_annotation", False)), key=lambda e: e.time_range.start)
-    busy = idle = 0.0
-    until = None
+    busy = sum(exclusive_ms(device).values())  # the union of the device spans (fxfuse/audit_profile.py)
+    until = device[0].time_range.start if device else 0.0
     by_phase, by_op, gaps = defaultdict(float), defaultdict(lambda: [0.0, 0]), []
     for e in device:
-        start, end = e.time_range.start, e.time_range.end
-        if until is not None and start > until:
-            gap = (start - until) / 1e3
-            idle += gap
+        if e.time_range.start > until:
+            gap = (e.time_range.start - until) / 1e3
             names = _enclosing(launches.get(e.id))
             phase, op = _phase(names), _op(names)
             by_phase[phase] += gap
             by_op[phase, op][0] += gap
             by_op[phase, op][1] += 1
             gaps.append((gap, phase, op, e.name))
-        busy += max(0.0, end - max(start, until if until is not None else start)) / 1e3
-        until = end if until is None else max(until, end)
+        until = max(until, e.time_range.end)
+    idle = sum(g[0] for g in gaps)
     host_fx = defaultdict(lambda: [0.0, 0])
     for e in cpu:
         if e.name.startswith("fxfuse::") and not (e.cpu_parent and e.cpu_parent.name == e.name):
