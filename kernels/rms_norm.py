@@ -173,8 +173,8 @@ def _rms_norm(
     eager_rounding: bool = False,
 ) -> torch.Tensor:
     """y [x.shape] out_dtype, contiguous (module doc); eager_rounding only changes the backward."""
-    if not _fits_triton(x):
-        return rms_norm_reference(x, weight, eps, offset, cast_before_weight, out_dtype)
+    if not _fits_triton(x):  # contiguous as the fake's: the reference keeps a transposed x's strides
+        return rms_norm_reference(x, weight, eps, offset, cast_before_weight, out_dtype).contiguous()
     x2 = _rows(x)
     m, d = x2.shape
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
