@@ -23,6 +23,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from .normalize import eliminate_dead_code
 from .report import Site, module_path, source_line
 from .rewrite import bytes_of, tensor_desc
 
@@ -79,7 +80,7 @@ def causal_attention(gm: fx.GraphModule, assume: set | None = None) -> tuple[lis
             site.saved = f"2 tensors, {sum(bytes_of(_val(n)) for n in reps) / 2**10:.1f} KiB/call"
         done.append(site)
     if done:
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         gm.recompile()
     return done, left
 

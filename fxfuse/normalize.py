@@ -62,6 +62,16 @@ class Unsupported(RuntimeError):
     """Dynamo's graph holds something the re-trace cannot reproduce faithfully."""
 
 
+def eliminate_dead_code(graph: fx.Graph) -> None:
+    """graph.eliminate_dead_code() on graph alone. torch's descends into the subgraphs a get_attr
+    reads (a kept autograd.Function's forward and backward, opaque.py) where, at Dynamo's torch
+    level, an in-place method whose result goes unused (PhiMoE's ``grad.scatter_add_(...)``) counts
+    as dead: it would be erased, silently changing that backward."""
+    for node in reversed(graph.nodes):
+        if not node.users and not node.is_impure():
+            graph.erase_node(node)
+
+
 def check_retraceable(gm: fx.GraphModule) -> None:
     """Higher-order ops carry backward rules or recomputation policies that a plain re-trace would
     drop, silently losing gradients (seen with Bloom's GeLU autograd.Function). Those in
@@ -116,7 +126,7 @@ def canonical_linear(graph: fx.Graph) -> None:
         linear.meta.update(n.meta)
         n.replace_all_uses_with(linear)
         graph.erase_node(n)
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
 
 
 # torch's alias ops that pre-dispatch tracing keeps (CompositeImplicitAutograd redirects with the same

@@ -8,6 +8,7 @@ import torch.fx as fx
 
 from .canon import CASTS, is_noop_cast, val
 from .matcher import GraphMatcher, Match
+from .normalize import eliminate_dead_code
 from .options import Options
 from .pattern import Pattern
 from .report import Report, Site, module_path, source_line
@@ -265,7 +266,7 @@ def rewrite(gm: fx.GraphModule, patterns: list[Pattern], opts: Options) -> Repor
         for mi in misses:
             report.unmatched.append(_site(pattern.name, mi.anchor, mi.variant, reason=mi.reason,
                                           nodes=[mi.anchor.name]))
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     report.skipped_outputs = [i for i, a in enumerate(out.args[0]) if a in skipped]
     gm.graph.lint()

@@ -30,11 +30,31 @@ class GradReverse(torch.autograd.Function):
         return -0.5 * g
 
 
+class GradReverseInPlace(torch.autograd.Function):
+    """GradReverse written with in-place methods whose results go unused, as PhiMoE's router
+    multiplier builds its gradient (``grad.scatter_add_(...)``): torch's dead-code elimination
+    descends into the kept call's subgraphs and counts such a method call as dead, which doubled
+    both the forward's output and the gradient here until fxfuse ran a DCE of its own."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x * 2
+        y.mul_(0.5)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        out = -g
+        out.mul_(0.5)
+        return out
+
+
 class ReversedMLP(nn.Module):
     """RMSNorm -> gradient reversal -> SwiGLU -> tied loss head."""
 
-    def __init__(self, vocab=96, d=32, hidden=48):
+    def __init__(self, vocab=96, d=32, hidden=48, reverse=GradReverse):
         super().__init__()
+        self.reverse = reverse
         self.emb = nn.Embedding(vocab, d)
         self.norm, self.final_norm = nn.RMSNorm(d, eps=1e-6), nn.RMSNorm(d, eps=1e-6)
         self.gate, self.up = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False)
@@ -42,16 +62,17 @@ class ReversedMLP(nn.Module):
 
     def forward(self, input_ids, labels):
         x = self.emb(input_ids)
-        h = GradReverse.apply(self.norm(x))
+        h = self.reverse.apply(self.norm(x))
         x = x + self.down(F.silu(self.gate(h)) * self.up(h))
         logits = F.linear(self.final_norm(x), self.emb.weight)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
+@pytest.mark.parametrize("reverse", [GradReverse, GradReverseInPlace], ids=["functional", "in_place"])
 @pytest.mark.parametrize("inner,dynamic", [("aot_eager", False), ("inductor", True)])
-def test_custom_autograd_function_keeps_its_backward_and_the_rest_is_fused(inner, dynamic):
+def test_custom_autograd_function_keeps_its_backward_and_the_rest_is_fused(inner, dynamic, reverse):
     torch.manual_seed(0)
-    model = ReversedMLP()
+    model = ReversedMLP(reverse=reverse)
     # labels != ids: with the tied head and labels = ids the loss is ~1e-4, a cancellation that
     # puts fp32 rounding near the tolerance
     ids, labels = batch()["input_ids"], batch(seed=2)["input_ids"]
