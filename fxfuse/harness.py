@@ -94,8 +94,11 @@ def _copy(model: nn.Module, build: Callable[[], nn.Module] | None = None) -> nn.
 
 def fp64_run(model: nn.Module, call_inputs: dict, loss_of, build=None) -> tuple[torch.Tensor, dict] | None:
     """Eager loss and gradients of an fp64 copy of model; None where the model cannot run in fp64
-    (one that casts to float32 on its own)."""
+    (one that casts to float32 on its own). MoE experts run their per-expert loop there: grouped_mm,
+    transformers' default on some MoE models, has no fp64 kernel."""
     m64 = _copy(model, build).double()
+    if getattr(getattr(m64, "config", None), "_experts_implementation", None) not in (None, "eager"):
+        m64.set_experts_implementation("eager")
     inputs = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in call_inputs.items()}
     try:
         return step(m64, m64, inputs, loss_of)

@@ -26,7 +26,8 @@ def is_rms_norm(m: nn.Module) -> bool:
     """nn.RMSNorm and *RMSNorm classes; *L2Norm classes (Llama 4's weightless q/k norm before transformers
     5.25, x * rsqrt(mean(x^2) + eps); Dory's x * rsqrt(sum(x^2) + eps), fused as an RMSNorm);
     gated ones (*RMSNormGated: Qwen3-Next's and Qwen3.5's linear attention, rms_norm(x) * silu(gate));
-    Ergo's ExpertNorm (F.rms_norm, then each token's expert's weight).
+    Ergo's ExpertNorm (F.rms_norm, then each token's expert's weight); CPM-Ant's LayerNorm (an RMSNorm:
+    no mean, no bias).
     A wrapper around one (AXK2's GatedRMSNorm: its norm, then a sigmoid gate of a low-rank MLP) is not
     a site of its own."""
     return _rms_norm_class(m) and not any(_rms_norm_class(c) for c in m.children())
@@ -35,7 +36,7 @@ def is_rms_norm(m: nn.Module) -> bool:
 def _rms_norm_class(m: nn.Module) -> bool:
     name = type(m).__name__.lower()
     return (isinstance(m, nn.RMSNorm) or name.endswith(("rmsnorm", "rmsnormgated", "l2norm"))
-            or name == "ergoexpertnorm")
+            or name in ("ergoexpertnorm", "cpmantlayernorm"))
 
 
 @contextlib.contextmanager
@@ -67,9 +68,16 @@ def _rotary_function(name: str) -> bool:
     return re.match(r"\w*apply\w*_ro(tary|pe)", name) is not None
 
 
+def _names_rotary_function(cls: type) -> bool:
+    """cls.forward (under its decorators) reads a module-level rotary function by name."""
+    code = getattr(inspect.unwrap(getattr(cls, "forward", None)), "__code__", None)
+    return code is not None and any(_rotary_function(n) for n in code.co_names)
+
+
 def is_gated_mlp(m: nn.Module) -> bool:
     """act(gate) * up modules: HF gate_proj/up_proj, fused gate_up_proj (Phi-3, MoE experts),
-    Meta / gpt-fast w1/w3, DBRX's experts w1/v1; Gemma 4's decoder layer (act(per_layer_input_gate(h)) * per_layer_input);
+    Meta / gpt-fast w1/w3, DBRX's experts w1/v1, CPM-Ant's w_0 / w_1; Gemma 4's decoder layer
+    (act(per_layer_input_gate(h)) * per_layer_input);
     JetMoE's MoE (input_linear to both halves, its activation; its attention experts have no activation);
     a gated RMSNorm with a SiLU gate (silu(gate) * normed x; Kimi Linear's sigmoid gate is no site);
     xLSTM's proj_up_gate / proj_up; ModernBERT's Wi packing both halves (twice Wo's input width), Aya
@@ -81,6 +89,7 @@ def is_gated_mlp(m: nn.Module) -> bool:
     names = _names(m)
     return ({"gate_proj", "up_proj"} <= names or "gate_up_proj" in names or {"w1", "w3"} <= names
             or {"w1", "v1"} <= names or "per_layer_input_gate" in names or {"proj_up_gate", "proj_up"} <= names
+            or {"w_0", "w_1"} <= names
             or {"input_linear", "output_linear", "activation"} <= names or _packed_in_out(m)
             or {"in_proj", "x_proj", "dt_proj", "out_proj"} <= names
             or {"in_proj", "x_proj_weight", "dt_proj_weight", "out_proj"} <= names or _ungated_norm_mixer(m)
@@ -203,7 +212,9 @@ def expected_sites(model: nn.Module, inputs: dict, has_loss_head: bool) -> dict[
     finally:
         for h in hooks:
             h.remove()
-    by_function = {type(m) for m, r in attention_calls if r}  # attention classes rotating through the function
+    # attention classes rotating through the function: one did in some call, or its forward names it
+    # (Flint's full-attention layers skip it: NoPE even where no layer of this forward rotates)
+    by_function = {type(m) for m, r in attention_calls if r or _names_rotary_function(type(m))}
     calls["rope"] = sum(r or (type(m) not in by_function and id(m) not in inner) for m, r in attention_calls)
     calls["linear_cross_entropy"] = int(has_loss_head)
     return calls

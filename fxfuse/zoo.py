@@ -113,6 +113,19 @@ HF_ZOO: dict[str, dict] = {
     # vocabulary (its default pads the logits to 200058), relative-position heads at TINY's scale
     "inkling2_text": {"n_routed_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
                       "moe_intermediate_size": 16, "swa_head_dim": 8, "unpadded_vocab_size": 96},
+    # PhiMoE: sparsemixer routing, a custom autograd.Function whose backward writes in place (kept as
+    # written: normalize.eliminate_dead_code); LayerNorm, no RMSNorm site
+    "phimoe": {"num_local_experts": 4},
+    # Flint: only sliding-window layers rotate; its default layer_types are all full attention (NoPE)
+    "flint": {},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    "glm4_moe": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                 "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+    "glm4_moe_lite": MLA_TINY,
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 8,
+                   "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                   "shared_expert_intermediate_size": 16},
 }
 
 # (architecture, pattern) -> why the site is not fused; the harness records these as gaps

@@ -96,6 +96,21 @@ def test_fp64_run_gives_double_gradients_and_none_for_an_fp32_only_model():
     assert fp64_run(Fp32Only(), {"input": x}, lambda out: out.sum()) is None
 
 
+def test_fp64_run_takes_the_experts_loop_where_grouped_mm_has_no_fp64_kernel():
+    """An HF MoE built with transformers' default experts implementation (grouped_mm: no fp64 kernel)
+    still gets its fp64 reference; the model itself keeps its implementation."""
+    from transformers import AutoModelForCausalLM
+
+    from fxfuse.zoo import HF_ZOO, hf_config, hf_inputs
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("olmoe", **HF_ZOO["olmoe"]))
+    assert model.config._experts_implementation == "grouped_mm"
+    exact = fp64_run(model, hf_inputs(96), lambda out: out.loss)
+    assert exact is not None and exact[1]["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.float64
+    assert model.config._experts_implementation == "grouped_mm"
+
+
 def _module(cls_name: str, children=(), params=(), **attrs) -> nn.Module:
     m = type(cls_name, (nn.Module,), {})()
     for c in children:
@@ -132,6 +147,9 @@ def _module(cls_name: str, children=(), params=(), **attrs) -> nn.Module:
     (_module("DoryL2Norm"), True, False, False),
     (_module("BltCrossAttention", ["q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"]), False, False, False),
     (_module("BltSelfAttention", ["q_proj", "k_proj", "v_proj", "o_proj"]), False, False, True),
+    (_module("CpmAntLayerNorm", params=["weight"]), True, False, False),  # no mean, no bias: an RMSNorm
+    (_module("LayerNorm", params=["weight", "bias"]), False, False, False),
+    (_module("CpmAntDenseGatedACT", ["w_0", "w_1", "act"]), False, True, False),
 ])
 def test_site_rules_by_name(mod, rms, gated, attention):
     assert (is_rms_norm(mod), is_gated_mlp(mod), is_attention(mod)) == (rms, gated, attention)
@@ -287,6 +305,28 @@ def test_an_attention_class_that_never_calls_apply_rotary_pos_emb_counts_every_c
     model = nn.Sequential(RotatingElsewhere(), RotatingElsewhere())
     assert expected_sites(model, {"input": torch.randn(2, 8)}, False)["rope"] == 2
     assert globals()["apply_rotary_pos_emb"] is _APPLY_ROTARY  # the counting wrapper is gone after the forward
+
+
+class RotatingSometimes(RotatingElsewhere):
+    """Rotates through apply_rotary_pos_emb only in some layers (Flint: its sliding-window ones)."""
+
+    def __init__(self, rotate: bool):
+        super().__init__()
+        self.rotate = rotate
+
+    def forward(self, x):
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.rotate:
+            q, k = apply_rotary_pos_emb(q, k, 1.0, 1.0)
+        return q + k
+
+
+@pytest.mark.parametrize("rotate, sites", [((True, False), 1), ((False, False), 0)])
+def test_an_attention_class_naming_apply_rotary_pos_emb_is_nope_where_it_skips_it(rotate, sites):
+    """A class whose forward names the function is a site only in the calls that ran it, even where no
+    call of this forward did (Flint's default layer_types: every layer full attention, no rotation)."""
+    model = nn.Sequential(*(RotatingSometimes(r) for r in rotate))
+    assert expected_sites(model, {"input": torch.randn(2, 8)}, False)["rope"] == sites
 
 
 @pytest.mark.parametrize("rotary_dim", [None, 8])
