@@ -133,6 +133,35 @@ def test_selective_checkpointing_keeps_its_policy_and_the_head_is_fused():
     assert rel_err(loss, ref_loss) < FP32_TOL and max(rel_err(grads[k], ref[k]) for k in ref) < FP32_TOL
 
 
+class InPlaceRegion(nn.Module):
+    """A selectively checkpointed region that scales its activation in place (``h.mul_(2.0)``, its
+    result unused): before fxfuse's own DCE, torch's erased that call inside the kept region and the
+    loss changed silently (both inner compilers)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.norm, self.lin = nn.RMSNorm(d, eps=1e-6), nn.Linear(d, d)
+
+    def region(self, x):
+        h = self.lin(self.norm(x))
+        h.mul_(2.0)
+        return F.silu(h)
+
+    def forward(self, x):
+        context = functools.partial(create_selective_checkpoint_contexts,
+                                    lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+        return torch.utils.checkpoint.checkpoint(self.region, x, use_reentrant=False, context_fn=context).sum()
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_selective_checkpoint_region_keeps_its_in_place_calls(inner):
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    loss_err, grad_err, report, _ = compiled_parity(InPlaceRegion(), {"x": x}, inner=inner, loss_fn=lambda out: out)
+    assert len(report.opaque) == 1 and "selective activation checkpointing" in report.opaque[0], report.opaque
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
 def _causal(b, h, q, kv):
     return q >= kv
 
