@@ -224,7 +224,7 @@ def _rms_norm_backward(
         dy_more = ()
     if not fits:
         dx, dw = _rms_norm_backward_reference(dy, x, weight, eps, offset, compute_dw, eager_rounding)
-        dx = dx if residual is None else dx + residual
+        dx = (dx if residual is None else dx + residual).contiguous()  # as the fake's, whatever x's strides
         return dx, dw if compute_dw else x.new_empty((0,))
     x2 = _rows(x)
     m, d = x2.shape

@@ -124,12 +124,14 @@ def test_opcheck(with_weight, cast_before_weight):
 
 @pytest.mark.parametrize("on_triton", [True, False], ids=["triton", "reference"])
 def test_opcheck_strided_rows(monkeypatch, on_triton):
-    """Rows of a transposed [B, S, H, D] (DeepSeek V4's q norm) and of a slice: the output's strides
-    are the fake's (opcheck compares them; Inductor asserts them), on both paths."""
+    """Rows of a transposed [B, S, H, D] (DeepSeek V4's q norm), of a slice and with a strided last
+    dim (LaRA-mini's): the outputs' strides are the fake's (opcheck compares them; Inductor asserts
+    them), on both paths."""
     if not on_triton:
         monkeypatch.delenv("TRITON_INTERPRET")
     x, w, dy = inputs((2, 5, 3), 8, torch.float32)
-    for a, b in [(x.transpose(1, 2), dy.transpose(1, 2)), (x[..., :4], dy[..., :4])]:
+    cols = lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2)  # noqa: E731  same values, stride(-1) 3
+    for a, b in [(x.transpose(1, 2), dy.transpose(1, 2)), (x[..., :4], dy[..., :4]), (cols(x), cols(dy))]:
         wa = w[: a.shape[-1]]
         torch.library.opcheck(torch.ops.fxfuse.rms_norm.default, (a, wa, EPS, 0.0, False, torch.float32))
         torch.library.opcheck(torch.ops.fxfuse.rms_norm_backward.default, (b, a, wa, EPS, 0.0, True))
