@@ -264,6 +264,19 @@ def test_opcheck(bias):
                            2.0, 1.0, False, False, True, True, bias))
 
 
+@pytest.mark.parametrize("on_triton", [True, False], ids=["triton", "reference"])
+def test_opcheck_column_major_inputs(monkeypatch, on_triton):
+    """x [N, H] and weight [V, H] stored column-major: dx and dW come back contiguous, as the fake
+    says (opcheck compares strides; Inductor asserts them)."""
+    if not on_triton:
+        monkeypatch.delenv("TRITON_INTERPRET")
+    x, w, b, t = inputs(37, 24, 211, torch.float32, True)
+    x, w = (a.t().contiguous().t() for a in (x, w))
+    rows, lse = torch.ops.fxfuse.linear_cross_entropy_fwd(x, w, b, t, -100, 0.0, 0.0, 1.0, False, False)
+    torch.library.opcheck(torch.ops.fxfuse.linear_cross_entropy_bwd,
+                          (torch.rand_like(rows), x, w, b, t, lse, -100, 0.0, 0.0, 1.0, False, False, True, True, True))
+
+
 @pytest.mark.parametrize("bias,red", [(False, "mean"), (True, "sum")])
 def test_opcheck_fast(bias, red):
     x, w, b, t = inputs(37, 24, 211, torch.float32, bias)
