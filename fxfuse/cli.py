@@ -5,6 +5,8 @@
       and an eager-vs-fxfuse parity line for the loss and every gradient.
   fxfuse explain MODEL [--json]
       the report only (MODEL: an HF model type such as "qwen2", or a config.json path).
+  fxfuse check MODEL / fxfuse sweep [TYPES...]
+      the harness on one architecture / on every causal-LM type of the installed transformers.
 """
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ def register(sub) -> None:
 
 
 # modules whose register(subparsers) adds their subcommands
-COMMANDS = ("fxfuse.cli", "fxfuse.zoo", "fxfuse.audit")
+COMMANDS = ("fxfuse.cli", "fxfuse.zoo", "fxfuse.sweep", "fxfuse.audit")
 
 
 def main(argv=None) -> int:

@@ -180,7 +180,8 @@ class Result:
         return not self.gaps and not self.false_matches and self.parity_ok and self.bf16_ok
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"gaps": self.gaps, "false_matches": self.false_matches, "passed": self.passed}
+        return asdict(self) | {"gaps": self.gaps, "false_matches": self.false_matches, "parity_ok": self.parity_ok,
+                               "passed": self.passed}
 
 
 @contextlib.contextmanager
