@@ -5,12 +5,15 @@ pre_dispatch keeps ``aten.linear``, ``aten.silu``, ``aten.cross_entropy_loss``, 
 and autocast stays a region, not casts baked into every op. Node metadata (module path, stack trace)
 is carried through by interpreting the graph node by node under ``preserve_node_meta``.
 
-Two spellings are unified on the ATen graph itself (model graphs and pattern traces alike, so one
+Three spellings are unified on the ATen graph itself (model graphs and pattern traces alike, so one
 pattern matches both): torch's alias ops that pre-dispatch keeps (``torch.multiply``, ``divide``,
-``clip``, ``concat``, ...) become the op they stand for, and ``x @ w.t()`` becomes ``aten.linear``.
+``clip``, ``concat``, ...) become the op they stand for, an in-place op on a fresh intermediate
+(``F.silu(g, inplace=True)``, ``a.mul_(u)``) becomes its out-of-place twin, and ``x @ w.t()`` becomes
+``aten.linear``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -164,9 +167,82 @@ def canonical_aliases(graph: fx.Graph) -> None:
                 n.target = target
 
 
+def _aliases(op) -> bool:
+    """op returns (a view of, or the mutated) one of its inputs."""
+    return any(r.alias_info is not None for r in op._schema.returns)
+
+
+@functools.cache
+def _functional(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """``aten.silu_.default`` -> ``aten.silu.default``: the out-of-place twin of an ATen op that writes
+    its first argument only (and returns it), with the same arguments; else None."""
+    args = op._schema.arguments
+    if (op.namespace != "aten" or not op._opname.endswith("_") or not args
+            or torch.Tag.nondeterministic_seeded in op.tags):
+        return None  # random ops (exponential_, uniform_) stay as written
+    writes = [a.alias_info is not None and a.alias_info.is_write for a in args]
+    if not writes[0] or any(writes[1:]):
+        return None
+    target = getattr(getattr(torch.ops.aten, op._opname[:-1], None), op._overloadname, None)
+    if target is None or _aliases(target):
+        return None
+    return target if [a.type for a in args] == [a.type for a in target._schema.arguments] else None
+
+
+def _fresh(n) -> bool:
+    """n is a tensor this graph computed with an op that returns a new one (no input, view or alias)."""
+    return (isinstance(n, fx.Node) and n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+            and not _aliases(n.target))
+
+
+def canonical_inplace(graph: fx.Graph) -> None:
+    """``F.silu(g, inplace=True) * u``, ``a = F.silu(g); a.mul_(u)`` -> their out-of-place forms, where
+    the written tensor is a fresh intermediate that nothing else aliases: readers after the write read
+    the new node instead, readers before it keep the old one, so every reader sees the value it saw
+    (patterns are traced out of place). Kept as written: a write to an input, a parameter, a buffer or
+    a view; a tensor with a view taken of it; a write that would change its dtype (``a.mul_(b)`` keeps
+    a's dtype where ``a * b`` promotes)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in list(graph.nodes):
+        functional = _functional(n.target) if n.op == "call_function" and isinstance(
+            n.target, torch._ops.OpOverload) else None
+        if functional is None or not _fresh(n.args[0]):
+            continue
+        self_ = n.args[0]
+        later = [u for u in self_.users if u is not n and order.get(u, len(order)) > order[n]]
+        others = [u for u in self_.users if u is not n]
+        if not all(u.op == "output" or (u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload) and (
+                not _aliases(u.target) or (u in later and _functional(u.target) is not None
+                                           and u.args[0] is self_))) for u in others):
+            continue
+        val, self_val = n.meta.get("val"), self_.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not isinstance(self_val, torch.Tensor):
+            continue
+        with graph.inserting_before(n):
+            new = graph.call_function(functional, n.args, n.kwargs)
+        new.meta.update(n.meta)
+        fake = detect_fake_mode([val])
+        try:
+            with fake or contextlib.nullcontext():
+                out = functional(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in n.args),
+                                 **{k: a.meta["val"] if isinstance(a, fx.Node) else a for k, a in n.kwargs.items()})
+        except Exception:
+            out = None
+        if not isinstance(out, torch.Tensor) or out.dtype != val.dtype or out.shape != val.shape:
+            graph.erase_node(new)
+            continue
+        new.meta["val"] = out
+        order[new] = order[n]
+        n.replace_all_uses_with(new)
+        for u in later:
+            u.replace_input_with(self_, new)
+        graph.erase_node(n)
+
+
 def canonical_ops(graph: fx.Graph) -> None:
-    """Both spelling unifications of the module doc, applied to model graphs and pattern traces."""
+    """The spelling unifications of the module doc, applied to model graphs and pattern traces."""
     canonical_aliases(graph)
+    canonical_inplace(graph)
     canonical_linear(graph)
 
 

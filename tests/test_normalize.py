@@ -156,3 +156,72 @@ def test_data_read_in_forward_takes_no_gradient():
     model.a.data.mul_(3)  # read at run time, not baked into the graph
     assert rel_err(compiled(**inputs).detach(), model(**inputs).detach()) < FP32_TOL
     assert not torch.allclose(before, model(**inputs).detach())
+
+
+class InPlaceSpellings(nn.Module):
+    """An RMSNorm whose weight multiplies in place, and SwiGLUs written in place three ways
+    (``F.silu(g, inplace=True) * u``, ``a = F.silu(g); a.mul_(u)``, ``u.mul_(F.silu(g))``), a buffer
+    counter bumped in place (an input: kept), and a write to a view (kept: the view's base reads it)."""
+
+    def __init__(self, d=16, hidden=24, vocab=50):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.w = nn.Parameter(1 + 0.1 * torch.randn(d))
+        self.g, self.u = nn.ModuleList(nn.Linear(d, hidden, bias=False) for _ in range(3)), nn.ModuleList(
+            nn.Linear(d, hidden, bias=False) for _ in range(3))
+        self.down = nn.Linear(hidden, d, bias=False)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, input_ids):
+        self.calls += 1
+        x = self.emb(input_ids)
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        h.mul_(self.w)
+        a = F.silu(self.g[0](h), inplace=True) * self.u[0](h)
+        b = F.silu(self.g[1](h))
+        b.mul_(self.u[1](h))
+        c = self.u[2](h)
+        c.mul_(F.silu(self.g[2](h)))
+        out = self.down(a + b + c)
+        out[..., :4].mul_(0.5)  # a view of out written: out stays as written
+        return out.pow(2).mean()
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_in_place_spellings_fuse_with_parity(inner):
+    torch.manual_seed(0)
+    model = InPlaceSpellings()
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    loss_err, grad_err, report, _ = compiled_parity(model, {"input_ids": ids}, inner=inner, loss_fn=lambda out: out)
+    assert report.counts() == {"rms_norm": 1, "rope": 0, "swiglu": 3, "linear_cross_entropy": 0}, str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+def test_in_place_writes_that_stay_as_written():
+    """What canonical_inplace leaves alone: a write to a graph input, one that would change the
+    written tensor's dtype (in place keeps it; out of place promotes), random in-place ops."""
+    from fxfuse.normalize import _functional, canonical_inplace
+
+    assert _functional(torch.ops.aten.silu_.default) is torch.ops.aten.silu.default
+    assert _functional(torch.ops.aten.mul_.Tensor) is torch.ops.aten.mul.Tensor
+    assert _functional(torch.ops.aten.exponential_.default) is None  # random: as written
+    assert _functional(torch.ops.aten.mul.Tensor) is None and _functional(torch.ops.aten.transpose_.default) is None
+
+    def f(x, y):
+        x.add_(1.0)  # an input
+        a = torch.sin(y)  # bf16
+        a.mul_(torch.ones(3, dtype=torch.float32))  # stays bf16 in place; a * fp32 would be fp32
+        b = torch.cos(y)
+        b.mul_(2.0)  # fresh, same dtype: becomes aten.mul
+        return a, b
+
+    x, y = torch.zeros(3), torch.randn(3).to(torch.bfloat16)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="fake")(x, y)
+    canonical_inplace(gm.graph)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.add_.Tensor in targets and torch.ops.aten.mul_.Tensor in targets
+    assert torch.ops.aten.mul.Tensor in targets  # b's write, out of place now
+    gm.recompile()
+    a, b = gm(torch.zeros(3), y)
+    ref = f(torch.zeros(3), y)
+    assert a.dtype == torch.bfloat16 and torch.equal(a, ref[0]) and torch.equal(b, ref[1])
