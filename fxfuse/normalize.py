@@ -195,6 +195,29 @@ def _fresh(n) -> bool:
             and not _aliases(n.target))
 
 
+def _readers_allow(self_: fx.Node, write: fx.Node, later: list[fx.Node]) -> bool:
+    """Every other reader of self_ is an ATen op returning a new tensor, the graph's output, or a later
+    in-place op on self_ with an out-of-place twin: no view or alias of self_ would miss the write."""
+    def ok(u):
+        if u.op == "output":
+            return True
+        if u.op != "call_function" or not isinstance(u.target, torch._ops.OpOverload):
+            return False
+        return not _aliases(u.target) or (u in later and u.args[0] is self_ and _functional(u.target) is not None)
+
+    return all(ok(u) for u in self_.users if u is not write)
+
+
+def _out_of_place_val(functional, n: fx.Node):
+    """functional's fake result on n's arguments, or None where it cannot be evaluated."""
+    val = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
+    try:
+        with detect_fake_mode([n.meta["val"]]) or contextlib.nullcontext():
+            return functional(*map(val, n.args), **{k: val(a) for k, a in n.kwargs.items()})
+    except Exception:  # an argument without a value, a list of nodes: leave the write as it is
+        return None
+
+
 def canonical_inplace(graph: fx.Graph) -> None:
     """``F.silu(g, inplace=True) * u``, ``a = F.silu(g); a.mul_(u)`` -> their out-of-place forms, where
     the written tensor is a fresh intermediate that nothing else aliases: readers after the write read
@@ -204,33 +227,19 @@ def canonical_inplace(graph: fx.Graph) -> None:
     a's dtype where ``a * b`` promotes)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     for n in list(graph.nodes):
-        functional = _functional(n.target) if n.op == "call_function" and isinstance(
-            n.target, torch._ops.OpOverload) else None
-        if functional is None or not _fresh(n.args[0]):
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        functional = _functional(n.target)
+        if functional is None or not n.args or not _fresh(n.args[0]) or not isinstance(n.meta.get("val"), torch.Tensor):
             continue
         self_ = n.args[0]
         later = [u for u in self_.users if u is not n and order.get(u, len(order)) > order[n]]
-        others = [u for u in self_.users if u is not n]
-        if not all(u.op == "output" or (u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload) and (
-                not _aliases(u.target) or (u in later and _functional(u.target) is not None
-                                           and u.args[0] is self_))) for u in others):
-            continue
-        val, self_val = n.meta.get("val"), self_.meta.get("val")
-        if not isinstance(val, torch.Tensor) or not isinstance(self_val, torch.Tensor):
+        out = _out_of_place_val(functional, n) if _readers_allow(self_, n, later) else None
+        if not isinstance(out, torch.Tensor) or (out.dtype, out.shape) != (n.meta["val"].dtype, n.meta["val"].shape):
             continue
         with graph.inserting_before(n):
             new = graph.call_function(functional, n.args, n.kwargs)
         new.meta.update(n.meta)
-        fake = detect_fake_mode([val])
-        try:
-            with fake or contextlib.nullcontext():
-                out = functional(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in n.args),
-                                 **{k: a.meta["val"] if isinstance(a, fx.Node) else a for k, a in n.kwargs.items()})
-        except Exception:
-            out = None
-        if not isinstance(out, torch.Tensor) or out.dtype != val.dtype or out.shape != val.shape:
-            graph.erase_node(new)
-            continue
         new.meta["val"] = out
         order[new] = order[n]
         n.replace_all_uses_with(new)
