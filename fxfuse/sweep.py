@@ -31,9 +31,9 @@ def run_one(model_type: str, inner: str = "aot_eager", timeout: float = 600.0) -
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
-    out = done.stdout[done.stdout.find("{"):] if "{" in done.stdout else ""
+    start = done.stdout.rfind('{\n  "name"')  # the result (Result.to_dict, indented), after any other output
     try:
-        return json.loads(out)
+        return json.loads(done.stdout[start:] if start >= 0 else "")
     except json.JSONDecodeError:
         lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
         return {"error": lines[-1].strip() if lines else f"exit {done.returncode}, no output"}
