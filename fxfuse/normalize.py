@@ -172,12 +172,17 @@ def _aliases(op) -> bool:
     return any(r.alias_info is not None for r in op._schema.returns)
 
 
+# in-place ops that change the written tensor's storage or size, not just its values (set_ makes it an
+# alias of its source): no out-of-place twin computes the same thing
+_STORAGE_WRITES = ("set_", "resize_", "resize_as_", "resize_as_sparse_")
+
+
 @functools.cache
 def _functional(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """``aten.silu_.default`` -> ``aten.silu.default``: the out-of-place twin of an ATen op that writes
     its first argument only (and returns it), with the same arguments; else None."""
     args = op._schema.arguments
-    if (op.namespace != "aten" or not op._opname.endswith("_") or not args
+    if (op.namespace != "aten" or not op._opname.endswith("_") or not args or op._opname in _STORAGE_WRITES
             or torch.Tag.nondeterministic_seeded in op.tags):
         return None  # random ops (exponential_, uniform_) stay as written
     writes = [a.alias_info is not None and a.alias_info.is_write for a in args]

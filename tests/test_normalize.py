@@ -205,6 +205,8 @@ def test_in_place_writes_that_stay_as_written():
     assert _functional(torch.ops.aten.silu_.default) is torch.ops.aten.silu.default
     assert _functional(torch.ops.aten.mul_.Tensor) is torch.ops.aten.mul.Tensor
     assert _functional(torch.ops.aten.exponential_.default) is None  # random: as written
+    assert _functional(torch.ops.aten.set_.source_Tensor) is None  # an alias of its source afterwards
+    assert _functional(torch.ops.aten.resize_.default) is None
     assert _functional(torch.ops.aten.mul.Tensor) is None and _functional(torch.ops.aten.transpose_.default) is None
 
     def f(x, y):
