@@ -172,6 +172,10 @@ def _aliases(op) -> bool:
     return any(r.alias_info is not None for r in op._schema.returns)
 
 
+# in-place ops whose out-of-place twins autocast leaves alone: in an autocast region another op's twin
+# may be cast (h.exp_() keeps bf16 where autocast runs exp in fp32)
+_AUTOCAST_NEUTRAL = ("mul_", "add_", "sub_", "silu_", "gelu_", "relu_", "sigmoid_", "tanh_")
+
 # in-place ops that change the written tensor's storage or size, not just its values (set_ makes it an
 # alias of its source): no out-of-place twin computes the same thing
 _STORAGE_WRITES = ("set_", "resize_", "resize_as_", "resize_as_sparse_")
@@ -229,10 +233,22 @@ def canonical_inplace(graph: fx.Graph) -> None:
     the new node instead, readers before it keep the old one, so every reader sees the value it saw
     (patterns are traced out of place). Kept as written: a write to an input, a parameter, a buffer or
     a view; a tensor with a view taken of it; a write that would change its dtype (``a.mul_(b)`` keeps
-    a's dtype where ``a * b`` promotes)."""
+    a's dtype where ``a * b`` promotes); a write under no_grad; in an autocast region, a write other than
+    the _AUTOCAST_NEUTRAL ones."""
     order = {n: i for i, n in enumerate(graph.nodes)}
+    grad_on, autocast = True, 0
     for n in list(graph.nodes):
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            grad_on = bool(n.args[0])
+        elif n.op == "call_function" and n.target is torch.amp.autocast_mode._enter_autocast:
+            autocast += 1
+        elif n.op == "call_function" and n.target is torch.amp.autocast_mode._exit_autocast:
+            autocast -= 1
+        # under no_grad a write to a tensor that requires grad stays out of its autograd history; out of
+        # place its result would have none at all, cutting the gradient of every later reader
+        if not grad_on or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        if autocast and n.target._opname not in _AUTOCAST_NEUTRAL:
             continue
         functional = _functional(n.target)
         if functional is None or not n.args or not _fresh(n.args[0]) or not isinstance(n.meta.get("val"), torch.Tensor):

@@ -187,6 +187,29 @@ class InPlaceSpellings(nn.Module):
         return out.pow(2).mean()
 
 
+class ClampsUnderNoGrad(nn.Module):
+    """A write under no_grad to an activation that requires grad: eager leaves it out of the autograd
+    history (the gradient flows as through an identity); written out of place its result would have
+    no history at all and the first linear no gradient."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            h.clamp_(-0.1, 0.1)
+        return self.b(h).pow(2).sum()
+
+
+def test_a_write_under_no_grad_stays_in_place():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    loss_err, grad_err, _, names = compiled_parity(ClampsUnderNoGrad(), {"x": x}, loss_fn=lambda out: out)
+    assert "a.weight" in names and loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_in_place_spellings_fuse_with_parity(inner):
     torch.manual_seed(0)
@@ -216,6 +239,23 @@ def test_in_place_writes_that_stay_as_written():
         b = torch.cos(y)
         b.mul_(2.0)  # fresh, same dtype: becomes aten.mul
         return a, b
+
+    def g(h, u):  # in an autocast region: exp_ stays (autocast runs exp in fp32), mul_ becomes mul
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            a = h @ u
+            a.exp_()
+            b = h @ u
+            b.mul_(2.0)  # bf16 either way (b.mul_(u) would stay: u is fp32, b * u promotes)
+            return a, b
+
+    def traced_targets(fn, *args):
+        gm = torch.fx.experimental.proxy_tensor.make_fx(fn, tracing_mode="fake", pre_dispatch=True)(*args)
+        canonical_inplace(gm.graph)
+        return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+    targets = traced_targets(g, torch.randn(3, 3), torch.randn(3, 3))
+    assert torch.ops.aten.exp_.default in targets and torch.ops.aten.exp.default not in targets
+    assert torch.ops.aten.mul.Tensor in targets and torch.ops.aten.mul_.Tensor not in targets
 
     x, y = torch.zeros(3), torch.randn(3).to(torch.bfloat16)
     gm = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="fake")(x, y)
