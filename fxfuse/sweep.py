@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 from .options import INNER
 from .report import PATTERN_NAMES
@@ -52,10 +53,10 @@ def line(model_type: str, result: dict) -> str:
     """One line: the type, its status and its a/b site cells (or the error)."""
     if "error" in result:
         return f"{model_type:28s} ERROR  {result['error'][:160]}"
-    cells = []
-    for p in PATTERN_NAMES:
-        exp, got = result["expected"][p], result["matched"][p]
-        cells.append(f"{p} {'-' if exp == got == 0 else f'{got}/{exp}'}")
+    from .zoo import cell
+
+    counts = SimpleNamespace(expected=result["expected"], matched=result["matched"])
+    cells = [f"{p} {cell(counts, p)}" for p in PATTERN_NAMES]
     why = result["reasons"].get("graph_breaks", [])[:1] if result["gaps"] else []
     note = f"  (graph break: {why[0][:80]})" if why else ""
     return f"{model_type:28s} {status(result)}  " + ", ".join(cells) + note

@@ -253,8 +253,8 @@ def linear_cross_entropy_bwd(
     vocab = weight.shape[0]
     on_triton = x.is_cuda or use_triton(x)
     low = x.dtype if eager_rounding else None
-    dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)  # contiguous as the kernels' and the reference's,
-    dw = weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)  # whatever x's and weight's strides
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
+    dw = torch.empty_like(weight) if need_dw else weight.new_empty(0)
     db = torch.zeros(vocab, device=x.device, dtype=torch.float32) if need_db else x.new_empty(0)
     ds = torch.zeros(vocab, device=x.device, dtype=torch.float32) if need_ds else x.new_empty(0)
     ones = torch.ones(min(_rows_per_pass(n, h), n) if need_ds else 0, device=x.device, dtype=torch.float32)
@@ -294,8 +294,9 @@ def linear_cross_entropy_bwd(
 @linear_cross_entropy_bwd.register_fake
 def _(drow, x, weight, bias, target, lse, ignore_index, label_smoothing, softcap, logit_scale,
       eager_rounding, fp32_transform, need_dx, need_dw, need_db, vocab_scale=None, need_ds=False):
-    dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)  # contiguous as the kernels' and the reference's,
-    dw = weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)  # whatever x's and weight's strides
+    # contiguous as the real op's (it makes x and weight contiguous first), whatever their strides here
+    dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)
+    dw = weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)
     db = torch.empty_like(bias) if need_db else x.new_empty(0)
     ds = x.new_empty(weight.shape[0], dtype=torch.float32) if need_ds and vocab_scale is not None else x.new_empty(0)
     return dx, dw, db, ds
