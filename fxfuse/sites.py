@@ -26,8 +26,9 @@ def is_rms_norm(m: nn.Module) -> bool:
     """nn.RMSNorm and *RMSNorm classes; *L2Norm classes (Llama 4's weightless q/k norm before transformers
     5.25, x * rsqrt(mean(x^2) + eps); Dory's x * rsqrt(sum(x^2) + eps), fused as an RMSNorm);
     gated ones (*RMSNormGated: Qwen3-Next's and Qwen3.5's linear attention, rms_norm(x) * silu(gate));
-    Ergo's ExpertNorm (F.rms_norm, then each token's expert's weight); CPM-Ant's LayerNorm (an RMSNorm:
-    no mean, no bias).
+    Ergo's ExpertNorm (F.rms_norm, then each token's expert's weight); a *LayerNorm class whose docstring
+    says it is one (T5's and its copies: "No bias and no subtraction of mean"; CPM-Ant's: "Root Mean
+    Square").
     A wrapper around one (AXK2's GatedRMSNorm: its norm, then a sigmoid gate of a low-rank MLP) is not
     a site of its own."""
     return _rms_norm_class(m) and not any(_rms_norm_class(c) for c in m.children())
@@ -36,7 +37,14 @@ def is_rms_norm(m: nn.Module) -> bool:
 def _rms_norm_class(m: nn.Module) -> bool:
     name = type(m).__name__.lower()
     return (isinstance(m, nn.RMSNorm) or name.endswith(("rmsnorm", "rmsnormgated", "l2norm"))
-            or name in ("ergoexpertnorm", "cpmantlayernorm"))
+            or name == "ergoexpertnorm" or (name.endswith("layernorm") and _documented_rms(type(m))))
+
+
+def _documented_rms(cls: type) -> bool:
+    """cls's or its __init__'s docstring names it an RMS norm (T5 copies its LayerNorm's into MT5,
+    UMT5, LongT5, Switch Transformers, Pix2Struct, Pop2Piano, UDOP, Kosmos-2.5)."""
+    doc = " ".join(((cls.__doc__ or "") + " " + (cls.__init__.__doc__ or "")).split()).lower()
+    return "no subtraction of mean" in doc or "root mean square" in doc
 
 
 @contextlib.contextmanager
@@ -76,7 +84,7 @@ def _names_rotary_function(cls: type) -> bool:
 
 def is_gated_mlp(m: nn.Module) -> bool:
     """act(gate) * up modules: HF gate_proj/up_proj, fused gate_up_proj (Phi-3, MoE experts),
-    Meta / gpt-fast w1/w3, DBRX's experts w1/v1, CPM-Ant's w_0 / w_1; Gemma 4's decoder layer
+    Meta / gpt-fast w1/w3, DBRX's experts w1/v1, CPM-Ant's w_0 / w_1, T5's gated wi_0 / wi_1; Gemma 4's decoder layer
     (act(per_layer_input_gate(h)) * per_layer_input);
     JetMoE's MoE (input_linear to both halves, its activation; its attention experts have no activation);
     a gated RMSNorm with a SiLU gate (silu(gate) * normed x; Kimi Linear's sigmoid gate is no site);
@@ -89,7 +97,7 @@ def is_gated_mlp(m: nn.Module) -> bool:
     names = _names(m)
     return ({"gate_proj", "up_proj"} <= names or "gate_up_proj" in names or {"w1", "w3"} <= names
             or {"w1", "v1"} <= names or "per_layer_input_gate" in names or {"proj_up_gate", "proj_up"} <= names
-            or {"w_0", "w_1"} <= names
+            or {"w_0", "w_1"} <= names or {"wi_0", "wi_1"} <= names
             or {"input_linear", "output_linear", "activation"} <= names or _packed_in_out(m)
             or {"in_proj", "x_proj", "dt_proj", "out_proj"} <= names
             or {"in_proj", "x_proj_weight", "dt_proj_weight", "out_proj"} <= names or _ungated_norm_mixer(m)

@@ -160,11 +160,13 @@ def hf_inputs(vocab: int, b: int = 2, t: int = 9, seed: int = 1) -> dict:
 
 
 def without_randomness(cfg):
-    """cfg with its dropout probabilities and router jitter at 0 (Phi-MoE's ``router_jitter_noise``):
-    functional dropout reads them from the config, not from nn.Dropout modules the harness zeroes,
-    and random masks differ between the eager and compiled runs."""
+    """cfg with its dropout probabilities, LayerDrop (M2M-100's ``encoder_layerdrop``: training skips
+    random layers) and router jitter at 0 (Phi-MoE's ``router_jitter_noise``): functional dropout reads
+    them from the config, not from nn.Dropout modules the harness zeroes, and random masks differ
+    between the eager and compiled runs."""
     for key, value in cfg.to_dict().items():
-        if any(w in key for w in ("dropout", "pdrop", "jitter")) and isinstance(value, float) and value > 0:
+        random = any(w in key for w in ("dropout", "pdrop", "layerdrop", "jitter"))
+        if random and isinstance(value, float) and value > 0:
             setattr(cfg, key, 0.0)
     return cfg
 

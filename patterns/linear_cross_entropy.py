@@ -75,6 +75,13 @@ def lce_hf_bias(x, w, b, target, ignore_index=-100, label_smoothing=0.0):
     return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
 
 
+def lce_logits_bias_bart(x, w, b, target, ignore_index=-100, label_smoothing=0.0):
+    """BART and its kin (mBART, Marian, Pegasus, Blenderbot, PLBart, MVP, LED): an unbiased lm_head, then
+    ``+ final_logits_bias`` (a [1, V] buffer) added on its own; check asks one bias per vocabulary entry."""
+    logits = F.linear(x, w) + b
+    return _ce(logits.view(-1, logits.shape[-1]), target, ignore_index, label_smoothing)
+
+
 def lce_bias_softcap(x, w, b, target, softcap=30.0, ignore_index=-100, label_smoothing=0.0):
     """A biased lm_head (GPT-J, Phi-2, CodeGen) before Gemma 2's softcap."""
     logits = torch.tanh(F.linear(x, w, b) / softcap) * softcap
@@ -191,8 +198,14 @@ def check(m) -> str | None:
         return f"targets are {t.dtype}, not class indices (int64)"
     if m.scalars.get("reduction") not in REDUCTIONS:
         return f"reduction enum {m.scalars.get('reduction')!r} not known"
-    if w.dim() != 2 or (b is not None and b.dim() != 1):
+    if w.dim() != 2:
         return f"weight {list(w.shape)} is not [V, H]"
+    if b is not None and (b.numel() != w.shape[0] or any(d != 1 for d in b.shape[:-1])):
+        return (f"bias of shape {list(b.shape)} is not one number per vocabulary entry "
+                f"([{w.shape[0]}] or [1, {w.shape[0]}])")
+    if m.variant.fn is lce_logits_bias_bart and val(_bias_add(m)).dtype != val(_logits_node(m)).dtype:
+        return (f"the bias add promotes the {val(_logits_node(m)).dtype} logits to {val(_bias_add(m)).dtype} "
+                f"(a {b.dtype} bias under autocast): the fused op would add it in the lm_head's dtype")
     scale = val(m.inputs.get("s"))
     if scale is not None:
         if scale.dtype not in SUPPORTED:
@@ -211,6 +224,13 @@ def check(m) -> str | None:
 
 def _logits_node(m) -> fx.Node:
     (n,) = [n for n in m.region if n.target in (aten.linear.default, aten.matmul.default)]
+    return n
+
+
+def _bias_add(m) -> fx.Node:
+    """lce_logits_bias_bart's ``logits + b``."""
+    z = _logits_node(m)
+    (n,) = [n for n in m.region if n.target == aten.add.Tensor and z in n.args]
     return n
 
 
@@ -246,6 +266,8 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
     if low != val(x).dtype:  # autocast ran the lm_head in low precision: cast as it does
         x, w = call(aten.to.dtype, (x, low)), call(aten.to.dtype, (w, low))
         b = call(aten.to.dtype, (b, low)) if b is not None else None
+    if b is not None and val(m.inputs["b"]).dim() != 1:  # BART's [1, V] final_logits_bias
+        b = call(aten.reshape.default, (b, [-1]))
     vocab = _vocab_prefix(m)
     if vocab is not None:  # logits z[..., :V] of a padded lm_head: its first V rows (canon_rules._vocab_slice)
         w = call(aten.slice.Tensor, (w, 0, 0, vocab))
@@ -326,6 +348,7 @@ PATTERN = Pattern(
         Variant(lce_fp32_vocab_scaled_dory, {}, dtypes=_LOW),
         Variant(lce_bias_fp32_vocab_scaled, {}, dtypes=_LOW),
         Variant(lce_hf_bias, {}),
+        Variant(lce_logits_bias_bart, {}),
         Variant(lce_hf, {}),
         Variant(lce_class_dim_second, {}),
     ),

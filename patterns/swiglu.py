@@ -9,6 +9,7 @@ One site is one gated-MLP activation.
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -34,6 +35,13 @@ def swiglu_sigmoid(gate, up):
 def geglu_tanh(gate, up):
     """Gemma / Gemma 2 (``gelu_pytorch_tanh``): GeGLU with the tanh approximation."""
     return F.gelu(gate, approximate="tanh") * up
+
+
+def geglu_gelu_new_t5(gate, up):
+    """T5 v1.1 / mT5 / UMT5 / Pix2Struct "gated-gelu" (HF ``gelu_new``, NewGELUActivation): the tanh
+    GELU written out, ``act(wi_0(x)) * wi_1(x)``; the same function as ``gelu(approximate="tanh")``."""
+    act = 0.5 * gate * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (gate + 0.044715 * torch.pow(gate, 3.0))))
+    return act * up
 
 
 def geglu(gate, up):
@@ -278,6 +286,7 @@ PATTERN = Pattern(
         Variant(swiglu_silu, {"act": "silu"}),
         Variant(swiglu_sigmoid, {"act": "silu"}),
         Variant(geglu_tanh, {"act": "gelu_tanh"}),
+        Variant(geglu_gelu_new_t5, {"act": "gelu_tanh"}),
         Variant(geglu, {"act": "gelu"}),
         Variant(reglu, {"act": "relu"}),
         Variant(reglu_squared_bitnet, {"act": "relu2"}),

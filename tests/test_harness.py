@@ -147,12 +147,27 @@ def _module(cls_name: str, children=(), params=(), **attrs) -> nn.Module:
     (_module("DoryL2Norm"), True, False, False),
     (_module("BltCrossAttention", ["q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"]), False, False, False),
     (_module("BltSelfAttention", ["q_proj", "k_proj", "v_proj", "o_proj"]), False, False, True),
-    (_module("CpmAntLayerNorm", params=["weight"]), True, False, False),  # no mean, no bias: an RMSNorm
     (_module("LayerNorm", params=["weight", "bias"]), False, False, False),
     (_module("CpmAntDenseGatedACT", ["w_0", "w_1", "act"]), False, True, False),
 ])
 def test_site_rules_by_name(mod, rms, gated, attention):
     assert (is_rms_norm(mod), is_gated_mlp(mod), is_attention(mod)) == (rms, gated, attention)
+
+
+@pytest.mark.parametrize("module, cls, rms", [
+    ("t5", "T5LayerNorm", True), ("mt5", "MT5LayerNorm", True), ("longt5", "LongT5LayerNorm", True),
+    ("switch_transformers", "SwitchTransformersLayerNorm", True), ("cpmant", "CpmAntLayerNorm", True),
+    ("pix2struct", "Pix2StructLayerNorm", True), ("cohere", "CohereLayerNorm", False),  # subtracts the mean
+    ("deberta", "DebertaLayerNorm", False),
+])
+def test_an_rms_norm_named_layer_norm_is_a_site_by_its_docstring(module, cls, rms):
+    """T5's LayerNorm (and its copies) is an RMSNorm: no mean, no bias; it says so in its docstring."""
+    import importlib
+
+    norm_cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)
+    norm = norm_cls.__new__(norm_cls)
+    nn.Module.__init__(norm)  # no config needed: the rule reads the class
+    assert is_rms_norm(norm) == rms
 
 
 class HyUnweightedRMSNorm(nn.Module):

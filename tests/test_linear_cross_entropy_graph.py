@@ -81,6 +81,8 @@ class Head(torch.nn.Module):
         super().__init__()
         self.spelling = spelling
         self.lin = torch.nn.Linear(h, v, bias=bias)
+        if spelling.startswith("logits_bias"):  # a bias added on its own: [1, V] as BART's, or [V]
+            self.logits_bias = torch.nn.Parameter(torch.randn((1, v) if spelling.endswith("row") else (v,)))
 
     def forward(self, x, labels):
         F = torch.nn.functional
@@ -101,6 +103,9 @@ class Head(torch.nn.Module):
             return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
         if self.spelling == "flat_bias_scaled":  # 2-D hidden states, a biased head, a logit scale
             return F.cross_entropy((self.lin(x.flatten(0, 1)) * 0.5).float(), labels.flatten())
+        if self.spelling.startswith("logits_bias"):  # BART: lm_head(x) + final_logits_bias, uncast
+            logits = self.lin(x) + self.logits_bias
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
         if self.spelling == "cast_then_flatten_softcap":  # .float() before flatten, a biased head
             logits = torch.tanh(self.lin(x) / 30.0) * 30.0
             return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), reduction="sum")
@@ -111,7 +116,8 @@ class Head(torch.nn.Module):
     ("matmul", "lce_hf", False), ("matmul_flatten", "lce_hf", False),
     ("matmul_transpose_scaled", "lce_hf_scaled", False), ("class_dim_second", "lce_class_dim_second", False),
     ("flatten", "lce_hf", False), ("scaled", "lce_hf_scaled", False), ("bias", "lce_hf_bias", True),
-    ("flat_bias_scaled", "lce_bias_scaled", True), ("cast_then_flatten_softcap", "lce_bias_softcap", True)])
+    ("flat_bias_scaled", "lce_bias_scaled", True), ("cast_then_flatten_softcap", "lce_bias_softcap", True),
+    ("logits_bias_row", "lce_logits_bias_bart", False), ("logits_bias_vector", "lce_logits_bias_bart", False)])
 def test_hand_written_heads(spelling, variant, bias):
     torch.manual_seed(0)
     model = Head(spelling, bias=bias)
@@ -120,6 +126,37 @@ def test_hand_written_heads(spelling, variant, bias):
     loss_err, grad_err, report, _ = compiled_parity(model, {"x": x, "labels": labels}, loss_fn=lambda out: out)
     assert [s.variant for s in report.matched] == [variant], str(report)
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+def test_bart_final_logits_bias_fused():
+    """BART and its kin add a [1, V] final_logits_bias buffer after an unbiased lm_head (random here:
+    HF starts it at zero, where a dropped add would change nothing)."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    cfg = AutoConfig.for_model("bart", vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1,
+                               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
+                               decoder_ffn_dim=48, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = AutoModelForSeq2SeqLM.from_config(cfg)
+    model.final_logits_bias.normal_()
+    for name, p in model.named_parameters():  # softmax ignores k's bias: its true gradient is 0, both runs'
+        p.requires_grad_(not name.endswith("k_proj.bias"))  # are rounding noise, no relative error to take
+    loss_err, grad_err, report, _ = compiled_parity(model, batch())
+    assert [s.variant for s in report.matched] == ["lce_logits_bias_bart"], str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+def test_bias_add_promoted_by_autocast_is_not_fused():
+    """fp32 model under bf16 autocast: the bf16 logits plus the fp32 bias add in fp32, which the fused
+    op (adding the bias in the lm_head's dtype) would not reproduce; the report says why."""
+    torch.manual_seed(0)
+    model = Head("logits_bias_row")
+    x, labels = torch.randn(3, 5, 24), torch.randint(0, 70, (3, 5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = fxfuse.explain(model, x, labels)
+    assert report.counts()["linear_cross_entropy"] == 0
+    (miss,) = [s for s in report.unmatched if s.pattern == "linear_cross_entropy"]
+    assert "promotes" in miss.reason, miss.reason
 
 
 # (dtype, cast): in fp32 .float() is no op, so only bf16 runs it before the transform, or without it

@@ -1,5 +1,6 @@
 """SwiGLU / GeGLU end to end: every gated-MLP activation fused, parity with eager, near misses and
 no false matches."""
+import math
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxfuse
-from helpers import batch, compiled_parity, count_calls, hf_model, rel_err
+from helpers import batch, bf16_errors, compiled_parity, count_calls, hf_model, rel_err
 
 FP32_TOL = 1e-5
 
@@ -73,6 +74,8 @@ class HandMLP(nn.Module):
             h = F.relu(g).pow(2) * u
         elif self.spelling == "silu_definition":  # x / (1 + exp(-x))
             h = u * (g / (1 + torch.exp(-g)))
+        elif self.spelling == "gelu_new":  # HF NewGELUActivation, as T5's gated-gelu writes it
+            h = 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * torch.pow(g, 3.0)))) * u
         elif self.spelling == "relu_self_mul":
             r = torch.relu(g)
             h = u * (r * r)
@@ -83,6 +86,7 @@ class HandMLP(nn.Module):
 
 @pytest.mark.parametrize("spelling,variant", [("sigmoid", "swiglu_sigmoid"), ("up_first", "swiglu_silu"),
                                               ("gelu", "geglu"), ("relu", "reglu"),
+                                              ("gelu_new", "geglu_gelu_new_t5"),
                                               ("relu_pow", "reglu_squared_bitnet"),
                                               ("relu_self_mul", "reglu_squared_bitnet"),
                                               ("silu_definition", "swiglu_sigmoid")])
@@ -93,6 +97,29 @@ def test_hand_written_spellings(spelling, variant):
                                                     loss_fn=lambda out: out)
     assert [s.variant for s in report.matched] == [variant]
     assert loss_err < FP32_TOL and grad_err < FP32_TOL
+
+
+def _mt5(dtype=torch.float32):
+    """mT5 from a tiny config: T5's LayerNorm (an RMSNorm) and its gated-gelu MLP (wi_0, wi_1: HF's
+    gelu_new, the tanh GELU written out), encoder and decoder."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    cfg = AutoConfig.for_model("mt5", vocab_size=96, d_model=32, d_ff=48, d_kv=8, num_layers=2, num_heads=4,
+                               dropout_rate=0.0, relative_attention_num_buckets=8, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    return AutoModelForSeq2SeqLM.from_config(cfg).to(dtype)
+
+
+def test_t5_gated_gelu_fused_with_parity():
+    model, inputs = _mt5(), batch()
+    expected = count_calls(model, lambda m: hasattr(m, "wi_0"), **inputs)
+    loss_err, grad_err, report, _ = compiled_parity(model, inputs)
+    assert expected == 4 and report.counts()["swiglu"] == expected, str(report)
+    assert {s.variant for s in report.matched if s.pattern == "swiglu"} == {"geglu_gelu_new_t5"}
+    assert report.counts()["rms_norm"] == 12  # T5LayerNorm: 2 per encoder, 3 per decoder layer, 2 final
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+    (e_loss, e_grad), (f_loss, f_grad) = bf16_errors(_mt5, inputs, patterns=["swiglu"])
+    assert f_loss <= 2 * e_loss and f_grad <= 2 * e_grad, ((e_loss, e_grad), (f_loss, f_grad))
 
 
 class ActUsedTwice(nn.Module):

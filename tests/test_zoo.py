@@ -79,6 +79,8 @@ def test_harness_zeroes_config_randomness():
     assert hf_config("xglm").dropout > 0 and xglm.dropout == 0.0 and xglm.attention_dropout == 0.0
     phimoe = without_randomness(hf_config("phimoe"))
     assert hf_config("phimoe").router_jitter_noise > 0 and phimoe.router_jitter_noise == 0.0
+    m2m = without_randomness(hf_config("m2m_100"))  # LayerDrop: training skips random layers
+    assert hf_config("m2m_100").encoder_layerdrop > 0 and m2m.encoder_layerdrop == m2m.decoder_layerdrop == 0.0
     assert without_randomness(hf_config("llama")).to_dict() == hf_config("llama").to_dict()
 
 
