@@ -17,6 +17,8 @@ Rules (user spelling -> canonical label):
     that keeps the dtype disappears (Python's ``1.0 / t`` traces as ``reciprocal(t) * 1.0``).
   - ``div(sum(a, dims, keepdim), N)`` with N the number of summed elements -> ``mean(a, dims, keepdim)``.
   - size-dependent literals (dims, slice bounds, reshape targets) are size-relative (shapes.py).
+  - ``view``, ``reshape``, ``flatten``, ``unflatten`` and ``reshape_as`` (RoFormer's rotation) -> one
+    ``reshape`` of the same merge / split groups: the same values whichever op moved them.
   - ``add`` and ``mul`` are commutative: their two tensor operands match in either order.
   - the logits' way into ``cross_entropy``: casts to fp32 and reshapes to [N, V] that merge leading
     dims (``view(-1, V)``, ``reshape``, ``flatten(0, 1)``), each with no other user, disappear
@@ -38,11 +40,12 @@ import torch.fx as fx
 from .canon_rules import (CASTS, SPLITS, _is_divisor_sqrt, _is_logistic_divisor, _is_reciprocal_sqrt,
                           _logistic_exp, _logits_chain, _negated, _piece_range, _summed_numel, _unscaled, _vocab_slice,
                           val)
-from .shapes import _frac, _neg, shape_literals
+from .shapes import RESHAPES, _frac, _neg, _rel_shape, shape_literals
 
 aten = torch.ops.aten
 
 COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
+SAME_DATA_RESHAPES = RESHAPES | {aten.flatten.using_ints, aten.unflatten.int, aten.reshape_as.default}
 
 
 @dataclass
@@ -230,6 +233,9 @@ def _canon(n: fx.Node, absorbed: set[fx.Node]):
         dims = _neg(s.args[1], x.dim())
         keep = s.args[2] if len(s.args) > 2 else s.kwargs.get("keepdim", False)
         return str(aten.mean.dim), (EDGE, dims, keep), [("0", s.args[0])], [s, n]
+    if t in SAME_DATA_RESHAPES and val(n.args[0]) is not None and val(n) is not None:
+        groups = _rel_shape(tuple(val(n.args[0]).shape), tuple(val(n).shape))
+        return str(aten.reshape.default), (EDGE, groups), [("0", n.args[0])], [n]
     args, kwargs = _with_defaults(n)
     lits = [_lit(a) for a in args] + [(k, _lit(v)) for k, v in sorted(kwargs.items())]
     return str(t), tuple(shape_literals(n, lits)), _tensor_args(n), [n]

@@ -50,10 +50,13 @@ def _documented_rms(cls: type) -> bool:
 @contextlib.contextmanager
 def _counting_calls(model: nn.Module, named: Callable[[str], bool], counted: Callable[[], None]):
     """While inside, each call of a module-level function whose name is named() in the files defining
-    model's classes first calls counted()."""
+    model's classes, or of such a static method of those classes (RoFormer's attention rotates through
+    ``self.apply_rotary_position_embeddings``), first calls counted()."""
     files = {sys.modules.get(type(m).__module__) for m in model.modules()} - {None}
     originals = {(f, n): fn for f in files for n, fn in list(vars(f).items())
                  if named(n) and callable(fn) and not inspect.isclass(fn)}
+    statics = {(c, n): fn for c in {type(m) for m in model.modules()} for n, fn in list(vars(c).items())
+               if named(n) and isinstance(fn, staticmethod)}
 
     def counting(fn):
         @functools.wraps(fn)
@@ -64,10 +67,12 @@ def _counting_calls(model: nn.Module, named: Callable[[str], bool], counted: Cal
 
     for (f, n), fn in originals.items():
         setattr(f, n, counting(fn))
+    for (c, n), fn in statics.items():
+        setattr(c, n, staticmethod(counting(fn.__func__)))
     try:
         yield
     finally:
-        for (f, n), fn in originals.items():
+        for (f, n), fn in [*originals.items(), *statics.items()]:
             setattr(f, n, fn)
 
 
@@ -127,7 +132,8 @@ def is_attention(m: nn.Module) -> bool:
     it still rotates its queries), one with a joint key-value projection (JetMoE's kv_proj, its queries
     from attention experts), and DeepSeek sparse attention's indexer (wq_b, wk: it rotates its own
     queries and keys to score tokens), one whose queries come with their gate (MiniCPM5-MoE's
-    q_gate_proj), a vision transformer's packed qkv and proj (Qwen2-VL's). Linear attention is not (no
+    q_gate_proj), a vision transformer's packed qkv and proj (Qwen2-VL's), BERT's query / key / value
+    (RoFormer's rotates). Linear attention is not (no
     rotation): MiniMax's lightning layers (a qkv_proj), delta-rule layers (Bailing's DeltaAttention: q_proj,
     k_proj and a causal conv1d); nor is cross-attention (*CrossAttention: BLT's between bytes and patches,
     Mllama's to image tokens; no rotation)."""
@@ -135,16 +141,19 @@ def is_attention(m: nn.Module) -> bool:
     if any(w in type(m).__name__.lower() for w in ("lightning", "crossattention")) or "conv1d" in names:
         return False
     return ({"q_proj", "k_proj"} <= names or {"q_proj", "o_proj"} <= names or {"wq", "wk"} <= names
+            or {"query", "key", "value"} <= names
             or {"qkv", "proj"} <= names
             or {"wq_b", "wk"} <= names or {"q_gate_proj", "k_proj"} <= names
             or bool(names & {"query_key_value", "qkv_proj", "wqkv", "kv_a_proj_with_mqa", "kv_proj"}))
 
 
 def uses_rope(model: nn.Module) -> bool:
-    """A rotary embedding module, a rotary table buffer (inv_freq, freqs_cis), or an attention that
+    """A rotary embedding module, a rotary table buffer (inv_freq, freqs_cis), an attention that
     keeps its own sin / cos table and a ``rotary_dim`` (GPT-J and CodeGen in transformers <= 5.17;
-    None there means every channel rotates)."""
-    return any("rotary" in type(m).__name__.lower() or "rotary_dim" in vars(m) for m in model.modules()) or any(
+    None there means every channel rotates), or a class with a rotary method of its own (RoFormer's
+    attention: ``apply_rotary_position_embeddings``, from a sinusoidal table)."""
+    return any("rotary" in type(m).__name__.lower() or "rotary_dim" in vars(m)
+               or any(_rotary_function(n) for n in vars(type(m))) for m in model.modules()) or any(
         n.split(".")[-1] in ("inv_freq", "freqs_cis") for n, _ in model.named_buffers())
 
 

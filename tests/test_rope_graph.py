@@ -240,13 +240,16 @@ class _RotateHalf(nn.Module):
         self.how, self.heads = how, heads
         self.q, self.k = nn.Linear(d, d), nn.Linear(d, d)
 
+    def rotated(self, y):
+        x1, x2 = halves(y, self.how)
+        return torch.cat((x2 * -1, x1), dim=-1)
+
     def forward(self, x, cos, sin):
         b, t, d = x.shape
 
         def rope(y):
             y = y.view(b, t, self.heads, -1).transpose(1, 2)
-            x1, x2 = halves(y, self.how)
-            return y * cos + torch.cat((x2 * -1, x1), dim=-1) * sin
+            return y * cos + self.rotated(y) * sin
 
         return (rope(self.q(x)) * rope(self.k(x))).sum()
 
@@ -287,3 +290,43 @@ def test_rope_on_fewer_than_four_dims(shape):
     grads = torch.autograd.grad(out, (x, k))
     assert fxfuse.last_report().counts()["rope"] == 1, str(fxfuse.last_report())  # q and k: one site
     assert rel_err(out, ref) < 1e-5 and max(rel_err(g, r) for g, r in zip(grads, ref_grads)) < 1e-5
+
+
+def test_roformer_rotation_with_reshape_as_fused():
+    """RoFormer rotates pairs with ``stack([-x[..., 1::2], x[..., ::2]], -1).reshape_as(x)`` (Cohere's
+    spelling ends in flatten(-2)): reshape_as, view and flatten read as one reshape, so it is
+    rope_interleaved, one site per layer, with the harness's count (a static rotary method)."""
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    from fxfuse.sites import expected_sites
+
+    cfg = AutoConfig.for_model("roformer", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = AutoModelForMaskedLM.from_config(cfg)
+    inputs = batch()
+    assert expected_sites(model, inputs, True)["rope"] == 2
+    loss_err, grad_err, report, _ = compiled_parity(model, inputs)
+    assert [s.variant for s in report.matched if s.pattern == "rope"] == ["rope_interleaved"] * 2, str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+class _PairsReshaped(_RotateHalf):
+    """Interleaved pairs rotated as RoFormer writes them, the merge spelled by `how`."""
+
+    def rotated(self, y):
+        pairs = torch.stack([-y[..., 1::2], y[..., ::2]], dim=-1)
+        merged = {"reshape_as": lambda: pairs.reshape_as(y), "view": lambda: pairs.view(y.shape),
+                  "reshape": lambda: pairs.reshape(*y.shape[:-1], -1), "flatten": lambda: pairs.flatten(-2)}
+        return merged[self.how]()
+
+
+@pytest.mark.parametrize("how", ["reshape_as", "view", "reshape", "flatten"])
+def test_interleaved_pairs_merged_by_any_reshape(how):
+    torch.manual_seed(0)
+    t = 5
+    ang = (torch.arange(t, dtype=torch.float32)[:, None] * torch.linspace(0.1, 1.0, 4)).repeat_interleave(2, -1)
+    inputs = {"x": torch.randn(2, t, 16), "cos": ang.cos(), "sin": ang.sin()}
+    loss_err, grad_err, report, _ = compiled_parity(_PairsReshaped(how), inputs, loss_fn=lambda out: out)
+    assert [s.variant for s in report.matched] == ["rope_interleaved"], str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
