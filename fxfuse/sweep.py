@@ -1,9 +1,10 @@
 """``fxfuse sweep``: ``fxfuse check --no-train`` over every causal-LM type the installed transformers
-maps, one subprocess per type, so a crash or a hang costs that type alone. transformers adds
-architectures every month; this tells which of them fxfuse fuses with parity, which it does not and
-why, and which could not run from the zoo's tiny config (fxfuse.zoo.TINY, with HF_ZOO's overrides
-where the zoo has the type). One line per type, then the counts; exit 1 if any type ran and did not
-pass (a gap, a false match or a parity miss), not for types that could not run.
+maps (``--task seq2seq-lm`` / ``masked-lm``: every encoder-decoder / encoder LM type), one subprocess
+per type, so a crash or a hang costs that type alone. transformers adds architectures every month;
+this tells which of them fxfuse fuses with parity, which it does not and why, and which could not run
+from the zoo's tiny config (fxfuse.zoo.TINY, with HF_ZOO's overrides where the zoo has the type).
+One line per type, then the counts; exit 1 if any type ran and did not pass (a gap, a false match or
+a parity miss), not for types that could not run.
 """
 from __future__ import annotations
 
@@ -15,19 +16,14 @@ from types import SimpleNamespace
 
 from .options import INNER
 from .report import PATTERN_NAMES
+from .zoo import TASKS, task_types
 
 
-def causal_lm_types() -> list[str]:
-    """Model types with an AutoModelForCausalLM class in the installed transformers, sorted."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-def run_one(model_type: str, inner: str = "aot_eager", timeout: float = 600.0) -> dict:
+def run_one(model_type: str, inner: str = "aot_eager", timeout: float = 600.0, task: str = "causal-lm") -> dict:
     """``fxfuse check MODEL_TYPE --no-train --json`` in a subprocess: its result dict, or
     {"error": why} when it printed none (an exception: its last line; a timeout; a crash)."""
-    cmd = [sys.executable, "-m", "fxfuse", "check", model_type, "--no-train", "--inner", inner, "--json"]
+    cmd = [sys.executable, "-m", "fxfuse", "check", model_type, "--no-train", "--inner", inner, "--json",
+           "--task", task]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -62,11 +58,12 @@ def line(model_type: str, result: dict) -> str:
     return f"{model_type:28s} {status(result)}  " + ", ".join(cells) + note
 
 
-def sweep(types: list[str], inner: str = "aot_eager", jobs: int = 2, timeout: float = 600.0, out=sys.stdout) -> int:
+def sweep(types: list[str], inner: str = "aot_eager", jobs: int = 2, timeout: float = 600.0, out=sys.stdout,
+          task: str = "causal-lm") -> int:
     """Print a line per type as each finishes (in types' order), then the counts; the exit code."""
     counts = {"PASS": 0, "NOT PASSED": 0, "ERROR": 0}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for t, result in zip(types, pool.map(lambda t: run_one(t, inner, timeout), types)):
+        for t, result in zip(types, pool.map(lambda t: run_one(t, inner, timeout, task), types)):
             print(line(t, result), file=out, flush=True)
             counts[status(result).split(":")[0]] += 1
     print(f"{len(types)} types: {counts['PASS']} passed, {counts['NOT PASSED']} not passed, "
@@ -75,13 +72,16 @@ def sweep(types: list[str], inner: str = "aot_eager", jobs: int = 2, timeout: fl
 
 
 def sweep_cmd(args) -> int:
-    types = args.types or causal_lm_types()
-    return sweep(types, args.inner, args.jobs, args.timeout)
+    types = args.types or task_types(args.task)
+    return sweep(types, args.inner, args.jobs, args.timeout, task=args.task)
 
 
 def register(sub) -> None:
-    s = sub.add_parser("sweep", help="fxfuse check --no-train on every causal-LM type of the installed transformers")
-    s.add_argument("types", nargs="*", help="model types (default: every one AutoModelForCausalLM maps)")
+    s = sub.add_parser("sweep", help="fxfuse check --no-train on every causal-LM (or --task) type of the installed "
+                                     "transformers")
+    s.add_argument("types", nargs="*", help="model types (default: every one the task's Auto class maps)")
+    s.add_argument("--task", choices=list(TASKS), default="causal-lm",
+                   help="causal-lm (default), seq2seq-lm (AutoModelForSeq2SeqLM) or masked-lm (AutoModelForMaskedLM)")
     s.add_argument("--inner", choices=INNER, default="aot_eager")
     s.add_argument("--jobs", type=int, default=2, help="types checked at once (default 2)")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds per type (default 600)")

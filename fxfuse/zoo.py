@@ -1,5 +1,6 @@
 """The model zoo: HF causal LMs built from tiny configs (random weights), checked by the harness;
-``fxfuse check MODEL`` runs the harness on one architecture (an HF model type or a config.json),
+``fxfuse check MODEL`` runs the harness on one architecture (an HF model type or a config.json; with
+``--task seq2seq-lm`` or ``masked-lm`` an encoder-decoder or encoder model trained on its LM head),
 ``python -m fxfuse.zoo --markdown`` prints the README coverage table from harness results.
 """
 from __future__ import annotations
@@ -17,6 +18,19 @@ from .report import PATTERN_NAMES
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, use_cache=False,
             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+# encoder-decoder configs name their sizes otherwise: T5's d_model / d_ff / num_layers, BART's encoder_* /
+# decoder_*; the decoder starts from token 0 (some configs leave decoder_start_token_id unset)
+SEQ2SEQ_TINY = dict(d_model=32, d_ff=48, d_kv=8, num_layers=2, num_decoder_layers=2, num_heads=4,
+                    relative_attention_num_buckets=8, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                    decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, decoder_start_token_id=0)
+
+# task -> (the transformers mapping of model types to classes, its Auto class, the tiny config's extra keys)
+TASKS = {
+    "causal-lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM", {}),
+    "seq2seq-lm": ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM", SEQ2SEQ_TINY),
+    "masked-lm": ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "AutoModelForMaskedLM", {}),
+}
 
 # DeepSeek's multi-head latent attention at TINY's scale: rope on 4 of each head's 8 q/k channels,
 # as many kv heads as heads, low-rank q and kv; 4 routed experts after one dense layer
@@ -171,18 +185,27 @@ def without_randomness(cfg):
     return cfg
 
 
-def check_hf(spec: str, bf16_steps: int = 20, inner: str = "aot_eager", device: str = "cpu", **overrides) -> Result:
-    from transformers import AutoModelForCausalLM
+def task_types(task: str) -> list[str]:
+    """Model types with a class for task (TASKS) in the installed transformers, sorted."""
+    from transformers.models.auto import modeling_auto
+
+    return sorted(getattr(modeling_auto, TASKS[task][0]))
+
+
+def check_hf(spec: str, bf16_steps: int = 20, inner: str = "aot_eager", device: str = "cpu",
+             task: str = "causal-lm", **overrides) -> Result:
+    import transformers
 
     from .zoo_vlm import VLMS
 
-    if spec in VLMS:
+    if spec in VLMS and task == "causal-lm":
         return check_vlm(spec, bf16_steps, inner, device, **overrides)
-    cfg = without_randomness(hf_config(spec, **overrides))
+    _, auto, extra = TASKS[task]
+    cfg = without_randomness(hf_config(spec, **{**extra, **overrides}))
 
     def build():
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(cfg)
+        return getattr(transformers, auto).from_config(cfg)
 
     name = spec if not spec.endswith(".json") else cfg.model_type
     return check(name, build, hf_inputs(cfg.vocab_size), bf16_steps=bf16_steps, inner=inner, device=device)
@@ -262,7 +285,7 @@ def check_cmd(args) -> int:
               f"(torch {torch.__version__}, CUDA build {torch.version.cuda})", file=sys.stderr)
         return 2
     r = check_hf(args.model, bf16_steps=0 if args.no_train else 20, inner=args.inner, device=args.device,
-                 **dict(args.set))
+                 task=args.task, **dict(args.set))
     print(json.dumps(r.to_dict(), indent=2) if args.json else summary(r))
     return 0 if r.passed or (args.no_train and not r.gaps and not r.false_matches and r.parity_ok) else 1
 
@@ -272,6 +295,9 @@ def register(sub) -> None:
     c.add_argument("model", help="HF model type (llama, qwen2, ...; a vision-language one of fxfuse.zoo_vlm: "
                                  "qwen2_5_vl, gemma3, ..., trained with an image) or a config.json path")
     c.add_argument("--no-train", action="store_true", help="skip the 20 bf16 AdamW steps")
+    c.add_argument("--task", choices=list(TASKS), default="causal-lm",
+                   help="which LM head the model is built with (default causal-lm; seq2seq-lm: T5, BART, ...; "
+                        "masked-lm: BERT, ModernBERT, RoFormer, ...)")
     c.add_argument("--inner", choices=INNER, default="aot_eager")
     c.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the model runs (cuda: the fused ops run their Triton kernels; default cpu)")

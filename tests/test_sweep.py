@@ -3,7 +3,8 @@ import io
 
 import fxfuse.sweep as sweep_mod
 from fxfuse.report import PATTERN_NAMES
-from fxfuse.sweep import causal_lm_types, line, status, sweep
+from fxfuse.sweep import line, status, sweep
+from fxfuse.zoo import task_types
 
 
 def _result(matched, expected, parity_ok=True, reasons=None):
@@ -28,11 +29,12 @@ def test_status_and_line():
 
 
 def test_every_causal_lm_type_is_swept_and_a_failure_sets_the_exit_code(monkeypatch):
-    types = causal_lm_types()
+    types = task_types("causal-lm")
     assert {"llama", "qwen2", "gpt2"} <= set(types) and types == sorted(types)
+    assert {"t5", "bart"} <= set(task_types("seq2seq-lm")) and {"bert", "roformer"} <= set(task_types("masked-lm"))
     full = {p: 1 for p in PATTERN_NAMES}
     results = {"a": _result(full, full), "b": _result(full, full, parity_ok=False), "c": {"error": "boom"}}
-    monkeypatch.setattr(sweep_mod, "run_one", lambda t, inner, timeout: results[t])
+    monkeypatch.setattr(sweep_mod, "run_one", lambda t, inner, timeout, task: results[t])
     out = io.StringIO()
     assert sweep(["a", "b", "c"], out=out) == 1
     assert out.getvalue().splitlines()[-1].startswith("3 types: 1 passed, 1 not passed, 1 could not run")
@@ -46,3 +48,17 @@ def test_each_type_runs_in_its_own_process():
     lines = out.getvalue().splitlines()
     assert lines[0].split()[:2] == ["llama", "PASS"] and "rms_norm 5/5" in lines[0], lines
     assert lines[1].split()[:2] == ["not_a_model_type", "ERROR"] and "KeyError" in lines[1], lines
+
+
+def test_encoder_decoder_and_encoder_tasks():
+    """--task seq2seq-lm / masked-lm build the model with that LM head: mT5 (T5's LayerNorm, gelu_new
+    GeGLU), BART (its separate final_logits_bias) and RoFormer (rotation merged by reshape_as) fuse
+    every site with parity."""
+    out = io.StringIO()
+    assert sweep(["mt5", "bart"], out=out, task="seq2seq-lm") == 0
+    mt5, bart = out.getvalue().splitlines()[:2]
+    assert mt5.split()[:2] == ["mt5", "PASS"] and "rms_norm 12/12" in mt5 and "swiglu 4/4" in mt5, mt5
+    assert bart.split()[:2] == ["bart", "PASS"] and "linear_cross_entropy 1/1" in bart, bart
+    out = io.StringIO()
+    assert sweep(["roformer"], out=out, task="masked-lm") == 0
+    assert "rope 2/2" in out.getvalue().splitlines()[0], out.getvalue()
