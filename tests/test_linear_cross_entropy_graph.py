@@ -136,14 +136,21 @@ def test_bart_final_logits_bias_fused():
     cfg = AutoConfig.for_model("bart", vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1,
                                encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
                                decoder_ffn_dim=48, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
-    torch.manual_seed(0)
-    model = AutoModelForSeq2SeqLM.from_config(cfg)
-    model.final_logits_bias.normal_()
-    for name, p in model.named_parameters():  # softmax ignores k's bias: its true gradient is 0, both runs'
-        p.requires_grad_(not name.endswith("k_proj.bias"))  # are rounding noise, no relative error to take
-    loss_err, grad_err, report, _ = compiled_parity(model, batch())
+
+    def make(dtype=torch.float32):
+        torch.manual_seed(0)
+        model = AutoModelForSeq2SeqLM.from_config(cfg)
+        model.final_logits_bias.normal_()
+        for name, p in model.named_parameters():  # softmax ignores k's bias: its true gradient is 0, both
+            p.requires_grad_(not name.endswith("k_proj.bias"))  # runs' are rounding noise, no relative error
+        return model.to(dtype)
+
+    loss_err, grad_err, report, _ = compiled_parity(make(), batch())
     assert [s.variant for s in report.matched] == ["lce_logits_bias_bart"], str(report)
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+    (e_loss, e_grad), (f_loss, f_grad) = bf16_errors(make, batch(), patterns=["linear_cross_entropy"])
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1
+    assert f_loss <= 2 * e_loss and f_grad <= 2 * e_grad, ((e_loss, e_grad), (f_loss, f_grad))
 
 
 def test_bias_add_promoted_by_autocast_is_not_fused():
