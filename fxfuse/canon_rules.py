@@ -178,13 +178,24 @@ def _to_f32_same_device(n: fx.Node) -> bool:
     return src is not None and out is not None and out.dtype == torch.float32 and src.device == out.device
 
 
+def _returned(n: fx.Node) -> bool:
+    """Every user of n returns it from the graph (directly or through views)."""
+    return all(_returns(u) for u in n.users)
+
+
+def _returns(u: fx.Node) -> bool:
+    views = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+    return u.op == "output" or (u.target in views and _returned(u))
+
+
 def _logits_chain(n) -> list[fx.Node]:
     """The casts to fp32 and [N, V] row merges directly before a cross_entropy input, each with one
-    user (the next link), nearest the loss first."""
+    user (the next link), nearest the loss first; a cast may also be returned (Mamba returns
+    ``lm_head(h).float()`` as its logits, and the loss casts them again)."""
     chain = []
-    while isinstance(n, fx.Node) and n.op == "call_function" and len(n.users) == 1 and (
-            (n.target in CASTS and _to_f32_same_device(n))
-            or (n.target in ROW_MERGES and _merges_rows(n))):
+    while isinstance(n, fx.Node) and n.op == "call_function" and (
+            (n.target in CASTS and _to_f32_same_device(n) and sum(not _returns(u) for u in n.users) == 1)
+            or (n.target in ROW_MERGES and _merges_rows(n) and len(n.users) == 1)):
         chain.append(n)
         n = n.args[0]
     return chain

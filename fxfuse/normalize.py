@@ -5,11 +5,11 @@ pre_dispatch keeps ``aten.linear``, ``aten.silu``, ``aten.cross_entropy_loss``, 
 and autocast stays a region, not casts baked into every op. Node metadata (module path, stack trace)
 is carried through by interpreting the graph node by node under ``preserve_node_meta``.
 
-Three spellings are unified on the ATen graph itself (model graphs and pattern traces alike, so one
+Four spellings are unified on the ATen graph itself (model graphs and pattern traces alike, so one
 pattern matches both): torch's alias ops that pre-dispatch keeps (``torch.multiply``, ``divide``,
 ``clip``, ``concat``, ...) become the op they stand for, an in-place op on a fresh intermediate
-(``F.silu(g, inplace=True)``, ``a.mul_(u)``) becomes its out-of-place twin, and ``x @ w.t()`` becomes
-``aten.linear``.
+(``F.silu(g, inplace=True)``, ``a.mul_(u)``) becomes its out-of-place twin, a cast repeated on the same
+tensor becomes one, and ``x @ w.t()`` becomes ``aten.linear``.
 """
 from __future__ import annotations
 
@@ -269,10 +269,40 @@ def canonical_inplace(graph: fx.Graph) -> None:
         graph.erase_node(n)
 
 
+def _pure(n: fx.Node) -> bool:
+    """n is an ATen op that writes none of its arguments (nor any global state a cast would read)."""
+    return n.op in ("placeholder", "get_attr") or (
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+        and not any(a.alias_info is not None and a.alias_info.is_write for a in n.target._schema.arguments))
+
+
+def canonical_casts(graph: fx.Graph) -> None:
+    """A cast repeated on the same tensor -> the first one: ModernBERT's rotation reads ``q.float()``
+    twice (``q.float() * cos + rotate_half(q.float()) * sin``), one x to the patterns; in fp32 both are
+    no-ops and it matched already. Only where every node between the two is a pure ATen op: no in-place
+    write (to x or a tensor x views) and no grad-mode switch lies between them."""
+    from .canon_rules import CASTS
+
+    seen: dict[tuple, fx.Node] = {}
+    for n in list(graph.nodes):
+        if not _pure(n):
+            seen.clear()
+        elif n.op == "call_function" and n.target in CASTS:
+            key = (n.target, n.args, tuple(sorted(n.kwargs.items())))
+            try:
+                first = seen.setdefault(key, n)
+            except TypeError:  # an unhashable argument (a list of nodes): leave it
+                continue
+            if first is not n:
+                n.replace_all_uses_with(first)
+                graph.erase_node(n)
+
+
 def canonical_ops(graph: fx.Graph) -> None:
     """The spelling unifications of the module doc, applied to model graphs and pattern traces."""
     canonical_aliases(graph)
     canonical_inplace(graph)
+    canonical_casts(graph)
     canonical_linear(graph)
 
 

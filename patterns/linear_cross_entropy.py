@@ -190,8 +190,14 @@ def check(m) -> str | None:
     b = val(m.inputs.get("b"))
     if x is None or w is None or t is None:
         return "no shape/dtype information on the inputs"
-    if x.dtype not in SUPPORTED or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
-        return f"dtypes x {x.dtype}, W {w.dtype}{f', b {b.dtype}' if b is not None else ''} not supported (one of float32, bfloat16, float16)"
+    dtypes = f"x {x.dtype}, W {w.dtype}{f', b {b.dtype}' if b is not None else ''}"
+    if any(t.dtype not in SUPPORTED for t in (x, w, b) if t is not None):
+        return f"dtypes {dtypes} not supported (one of float32, bfloat16, float16)"
+    # under autocast the lm_head casts its fp32 operands to the low dtype it computes in; else all agree
+    low = val(_logits_node(m)).dtype
+    in_linear = [x, w] + ([b] if b is not None and m.variant.fn is not lce_logits_bias_bart else [])
+    if any(t.dtype not in (low, torch.float32) for t in in_linear):
+        return f"mixed dtypes {dtypes} for an lm_head computing in {low}"
     if x.device.type not in ("cuda", "cpu"):
         return f"device {x.device} not supported"
     if t.dtype != torch.int64:
@@ -263,9 +269,8 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
     call = graph.call_function
     x, w, b = _x(m), m.inputs["w"], m.inputs.get("b")
     low = val(_logits_node(m)).dtype
-    if low != val(x).dtype:  # autocast ran the lm_head in low precision: cast as it does
-        x, w = call(aten.to.dtype, (x, low)), call(aten.to.dtype, (w, low))
-        b = call(aten.to.dtype, (b, low)) if b is not None else None
+    # autocast ran the lm_head in low precision: cast its operands as it does (x may already be low, W fp32)
+    x, w, b = (t if t is None or val(t).dtype == low else call(aten.to.dtype, (t, low)) for t in (x, w, b))
     if b is not None and val(m.inputs["b"]).dim() != 1:  # BART's [1, V] final_logits_bias
         b = call(aten.reshape.default, (b, [-1]))
     vocab = _vocab_prefix(m)

@@ -4,7 +4,7 @@ One match is one tensor's rotation; ``group`` pairs the rotations that share cos
 one attention layer) into one ``fxfuse::rope`` call, which is one site. Spellings:
   - HF ``rotate_half``: ``x * cos + cat(-x2, x1) * sin``, cos / sin per channel [..., D], NanoChat's
     ``cat(x2, -x1)`` (the rotation by -angle), and the interleaved form (Cohere, GLM, Helium:
-    ``stack(-x[..., 1::2], x[..., ::2]).flatten(-2)``);
+    ``stack(-x[..., 1::2], x[..., ::2]).flatten(-2)``; ERNIE 4.5 upcasts the rotated copy on its own);
   - the same rotation written out on halves: ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``,
     cos / sin [..., D/2], the halves sliced or ``torch.chunk``-ed (gpt-oss; canonically the same
     slices), nanochat's rotation by -angle ``cat(x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos)``,
@@ -51,6 +51,15 @@ def rope_interleaved(x, cos, sin):
     x1 = x[..., 0::2]
     x2 = x[..., 1::2]
     return (x * cos) + (torch.stack((-x2, x1), dim=-1).flatten(-2) * sin)
+
+
+def rope_interleaved_ernie(x, cos, sin):
+    """ERNIE 4.5 (and its MoE): interleaved pairs rotated in x's dtype, then each term upcast,
+    ``(q.float() * cos) + (rotate_half(q).float() * sin)``; in fp32 it is rope_interleaved (the casts are
+    no-ops), under bf16 autocast the rotated copy is cast on its own (an exact move of bf16 values)."""
+    x1 = x[..., 0::2]
+    x2 = x[..., 1::2]
+    return (x.float() * cos) + (torch.stack((-x2, x1), dim=-1).flatten(-2).float() * sin)
 
 
 def rope_halves(x, cos_h, sin_h):
@@ -293,6 +302,7 @@ PATTERN = Pattern(
         Variant(rope_rotate_half, {"form": "half"}),
         Variant(rope_rotate_half_flipped, {"form": "half_flipped"}),
         Variant(rope_interleaved, {"form": "interleaved"}),
+        Variant(rope_interleaved_ernie, {"form": "interleaved"}),
         Variant(rope_halves, {"form": "halves"}),
         Variant(rope_halves_nanochat, {"form": "halves_flipped"}),
         Variant(rope_halves_pairs_deepseek, {"form": "halves_pairs"}),

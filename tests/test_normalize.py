@@ -267,3 +267,36 @@ def test_in_place_writes_that_stay_as_written():
     a, b = gm(torch.zeros(3), y)
     ref = f(torch.zeros(3), y)
     assert a.dtype == torch.bfloat16 and torch.equal(a, ref[0]) and torch.equal(b, ref[1])
+
+
+def test_a_cast_repeated_on_one_tensor_becomes_one():
+    """canonical_casts: ``q.float()`` twice reads as one cast, but not across an in-place write to q (the
+    second cast sees the new values) nor across a grad-mode switch."""
+    from fxfuse.normalize import canonical_casts
+
+    def twice(q):
+        return q.float() * 2 + q.float().sin()
+
+    def written_between(q):
+        a = q.float()
+        q.mul_(2)
+        return a + q.float()
+
+    def no_grad_between(q):
+        a = q.float()
+        with torch.no_grad():
+            b = q.float()
+        return a + b
+
+    def casts(fn):
+        gm = torch.fx.experimental.proxy_tensor.make_fx(fn, tracing_mode="fake", pre_dispatch=True)(
+            torch.randn(3, dtype=torch.bfloat16))
+        canonical_casts(gm.graph)
+        gm.recompile()
+        q = torch.randn(3, dtype=torch.bfloat16)
+        torch.testing.assert_close(gm(q.clone()), fn(q.clone()), rtol=0, atol=0)
+        return sum(n.target == torch.ops.aten.to.dtype for n in gm.graph.nodes)
+
+    assert casts(twice) == 1
+    assert casts(written_between) == 2
+    assert casts(no_grad_between) == 2

@@ -330,3 +330,41 @@ def test_interleaved_pairs_merged_by_any_reshape(how):
     loss_err, grad_err, report, _ = compiled_parity(_PairsReshaped(how), inputs, loss_fn=lambda out: out)
     assert [s.variant for s in report.matched] == ["rope_interleaved"], str(report)
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+def _modernbert(dtype=torch.float32):
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    cfg = AutoConfig.for_model("modernbert", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, max_position_embeddings=64, pad_token_id=0,
+                               cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return AutoModelForMaskedLM.from_config(cfg).to(dtype)
+
+
+def test_modernbert_under_autocast_fuses_rotation_and_head():
+    """ModernBERT rotates ``q.float()`` read twice (one cast to the patterns: normalize.canonical_casts)
+    and its MLM head's decoder takes bf16 hidden states with an fp32 weight under autocast (cast to bf16
+    as autocast does); both were unfused in bf16 autocast only. bf16 within 2x eager's error."""
+    inputs = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = fxfuse.explain(_modernbert(), **inputs)
+    assert report.counts()["rope"] == 2 and report.counts()["linear_cross_entropy"] == 1, str(report)
+    (e_loss, e_grad), (f_loss, f_grad) = bf16_errors(_modernbert, inputs, autocast=True,
+                                                      patterns=["rope", "linear_cross_entropy"])
+    assert fxfuse.last_report().counts()["rope"] == 2
+    assert f_loss <= 2 * e_loss and f_grad <= 2 * e_grad, ((e_loss, e_grad), (f_loss, f_grad))
+
+
+def test_ernie_rotation_upcast_after_rotating_under_autocast():
+    """ERNIE 4.5 writes ``(q.float() * cos) + (rotate_half(q).float() * sin)``: under bf16 autocast the
+    rotated copy is cast on its own (in fp32 both casts vanish and it was rope_interleaved already)."""
+    inputs = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = fxfuse.explain(hf_model("ernie4_5"), **inputs)
+    sites = [s for s in report.matched if s.pattern == "rope"]
+    assert [s.variant for s in sites] == ["rope_interleaved_ernie"] * 2, str(report)
+    (e_loss, e_grad), (f_loss, f_grad) = bf16_errors(lambda dt: hf_model("ernie4_5", dtype=dt), inputs,
+                                                      autocast=True, patterns=["rope"])
+    assert fxfuse.last_report().counts()["rope"] == 2
+    assert f_loss <= 2 * e_loss and f_grad <= 2 * e_grad, ((e_loss, e_grad), (f_loss, f_grad))

@@ -1,0 +1,78 @@
+"""Loss heads of other model families: BART's logits bias added on its own (and the autocast case
+where that add promotes), and fp32 logits a model returns under autocast (Mamba)."""
+import torch
+
+import fxfuse
+from helpers import batch, bf16_errors, compiled_parity, hf_model
+
+FP32_TOL = 1e-5
+
+
+class BiasedLogits(torch.nn.Module):
+    """BART's head: an unbiased lm_head, then a [1, V] bias added on its own."""
+
+    def __init__(self, h=24, v=70):
+        super().__init__()
+        self.lin = torch.nn.Linear(h, v, bias=False)
+        self.logits_bias = torch.nn.Parameter(torch.randn(1, v))
+
+    def forward(self, x, labels):
+        logits = self.lin(x) + self.logits_bias
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
+def test_bart_final_logits_bias_fused():
+    """BART and its kin add a [1, V] final_logits_bias buffer after an unbiased lm_head (random here:
+    HF starts it at zero, where a dropped add would change nothing)."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    cfg = AutoConfig.for_model("bart", vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1,
+                               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
+                               decoder_ffn_dim=48, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
+
+    def make(dtype=torch.float32):
+        torch.manual_seed(0)
+        model = AutoModelForSeq2SeqLM.from_config(cfg)
+        model.final_logits_bias.normal_()
+        for name, p in model.named_parameters():  # softmax ignores k's bias: its true gradient is 0, both
+            p.requires_grad_(not name.endswith("k_proj.bias"))  # runs' are rounding noise, no relative error
+        return model.to(dtype)
+
+    loss_err, grad_err, report, _ = compiled_parity(make(), batch())
+    assert [s.variant for s in report.matched] == ["lce_logits_bias_bart"], str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+    (e_loss, e_grad), (f_loss, f_grad) = bf16_errors(make, batch(), patterns=["linear_cross_entropy"])
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1
+    assert f_loss <= 2 * e_loss and f_grad <= 2 * e_grad, ((e_loss, e_grad), (f_loss, f_grad))
+
+
+def test_bias_add_promoted_by_autocast_is_not_fused():
+    """fp32 model under bf16 autocast: the bf16 logits plus the fp32 bias add in fp32, which the fused
+    op (adding the bias in the lm_head's dtype) would not reproduce; the report says why."""
+    torch.manual_seed(0)
+    model = BiasedLogits()
+    x, labels = torch.randn(3, 5, 24), torch.randint(0, 70, (3, 5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = fxfuse.explain(model, x, labels)
+    assert report.counts()["linear_cross_entropy"] == 0
+    (miss,) = [s for s in report.unmatched if s.pattern == "linear_cross_entropy"]
+    assert "promotes" in miss.reason, miss.reason
+
+
+def test_returned_fp32_logits_under_autocast():
+    """Mamba returns ``lm_head(h).float()`` and its loss casts them again: under bf16 autocast that cast
+    is real and returned, and the head was unfused. Now fused; the returned logits equal eager's, loss
+    and gradients within 2x eager's bf16 error."""
+    def make(dtype=torch.float32):
+        return hf_model("mamba", dtype=dtype)
+
+    inputs = batch()
+    options = {"inner": "aot_eager", "patterns": ["linear_cross_entropy"]}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = make()(**inputs).logits
+        out = torch.compile(make(), backend="fxfuse", options=options)(**inputs).logits
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1, str(fxfuse.last_report())
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    (e_loss, e_grad), (f_loss, f_grad) = bf16_errors(make, inputs, autocast=True, patterns=["linear_cross_entropy"])
+    assert f_loss <= 2 * e_loss and f_grad <= 2 * e_grad, ((e_loss, e_grad), (f_loss, f_grad))
