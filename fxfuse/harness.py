@@ -158,6 +158,19 @@ class Result:
     reasons: dict[str, list[str]] = field(default_factory=dict)  # unmatched reasons per pattern; "graph", "graph_breaks"
     fp64: list[str] = field(default_factory=list)  # tensors judged against an fp64 run (fp64_verdict)
     fp64_ok: bool = False
+    # sites fused per pattern in the fp32 compile and in the bf16 autocast one (static counts, None without
+    # the bf16 run), and why the autocast compile left sites unfused
+    fp32_fused: dict[str, int] | None = None
+    bf16_fused: dict[str, int] | None = None
+    bf16_reasons: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def autocast_gaps(self) -> list[str]:
+        """Patterns with fewer sites fused under bf16 autocast than in fp32 (informational: the bf16
+        check compares loss curves, which an unfused site does not move)."""
+        if self.fp32_fused is None or self.bf16_fused is None:
+            return []
+        return [p for p in PATTERN_NAMES if self.bf16_fused[p] < self.fp32_fused[p]]
 
     @property
     def false_matches(self) -> list[str]:
@@ -218,22 +231,30 @@ def check(name: str, build: Callable[[], nn.Module], inputs: dict, loss_of=lambd
         compiled = torch.compile(mine, backend="fxfuse", options={"inner": inner})
         census = Census(mine)
         loss, grads = step(mine, census.around(compiled), inputs, loss_of)
-        report = census.apply(Report.merge(fxfuse.compiled_reports()[n0:]))
+        fp32_report = Report.merge(fxfuse.compiled_reports()[n0:])
+        report = census.apply(fp32_report)
         loss_err, grad_err = rel_err(loss, ref_loss), grad_error(grads, ref_grads)
         fp64_ok, fp64 = False, []
         if not (loss_err < FP32_TOL and grad_err < FP32_TOL) and grads.keys() == ref_grads.keys():
             fp64_ok, fp64 = fp64_verdict(loss, grads, ref_loss, ref_grads, fp64_run(model, inputs, loss_of, build))
-    bf16 = None
+    bf16, bf16_report = None, None
     if bf16_steps:
         torch._dynamo.reset()
         eager_model, fx_model = _copy(model, build), _copy(model, build)
         ref = _train(eager_model, eager_model, inputs, loss_of, bf16_steps)
+        n1 = len(fxfuse.compiled_reports())
         got = _train(fx_model, torch.compile(fx_model, backend="fxfuse", options={"inner": inner}),
                      inputs, loss_of, bf16_steps)
         bf16 = max(abs(g - r) / max(abs(r), 1e-12) for g, r in zip(got, ref))
+        bf16_report = Report.merge(fxfuse.compiled_reports()[n1:])
     reasons: dict[str, list[str]] = {}
     for s in report.unmatched:
         reasons.setdefault(s.pattern, []).append(s.reason)
     reasons.update({"graph": report.errors} if report.errors else {})
     reasons.update({"graph_breaks": report.graph_breaks} if report.graph_breaks else {})
-    return Result(name, expected, report.calls, loss_err, grad_err, bf16, reasons, fp64, fp64_ok)
+    result = Result(name, expected, report.calls, loss_err, grad_err, bf16, reasons, fp64, fp64_ok)
+    if bf16_report is not None:
+        result.fp32_fused, result.bf16_fused = fp32_report.counts(), bf16_report.counts()
+        for s in bf16_report.unmatched:
+            result.bf16_reasons.setdefault(s.pattern, []).append(s.reason)
+    return result

@@ -149,6 +149,13 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("gpt2", "linear_cross_entropy"): "graph break",
 }
 
+# (architecture, pattern) -> why fewer sites fuse under bf16 autocast than in fp32 (Result.autocast_gaps):
+# a gated MLP whose gate is bf16 and whose up is fp32 there (Gemma 3n / 4's per-layer input gate, the
+# Mamba-style mixers' scan output times act(gate)); the gated-MLP ops take one dtype
+KNOWN_AUTOCAST_GAPS: dict[tuple[str, str], str] = {
+    (m, "swiglu"): "mixed dtypes" for m in ("gemma4_text", "gemma3n_text", "mamba", "falcon_mamba", "jamba", "zamba")
+}
+
 
 def hf_config(spec: str, **overrides):
     from transformers import AutoConfig
@@ -256,6 +263,10 @@ def summary(r: Result) -> str:
     if r.bf16_max_rel is not None:
         lines.append(f"  bf16 autocast, 20 AdamW steps: largest loss divergence {r.bf16_max_rel:.2e} -> "
                      f"{'ok' if r.bf16_ok else 'FAIL'}")
+    for p in r.autocast_gaps:  # informational: the loss curve does not see a site left unfused
+        why = "; ".join(dict.fromkeys(r.bf16_reasons.get(p, [])))
+        lines.append(f"  under bf16 autocast {p} fuses {r.bf16_fused[p]} of the {r.fp32_fused[p]} sites fp32 fuses"
+                     + (f": {why}" if why else ""))
     for p, reasons in r.reasons.items():
         for reason in dict.fromkeys(reasons):
             lines.append(f"  {'graph break' if p == 'graph_breaks' else 'unfused ' + p}: {reason}")
