@@ -178,14 +178,13 @@ def _to_f32_same_device(n: fx.Node) -> bool:
     return src is not None and out is not None and out.dtype == torch.float32 and src.device == out.device
 
 
-def _returned(n: fx.Node) -> bool:
-    """Every user of n returns it from the graph (directly or through views)."""
-    return all(_returns(u) for u in n.users)
+RETURN_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
+                aten.detach.default)
 
 
-def _returns(u: fx.Node) -> bool:
-    views = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-    return u.op == "output" or (u.target in views and _returned(u))
+def returned_only(users) -> bool:
+    """Each of users returns its input from the graph, directly or through views (a slice, say)."""
+    return all(u.op == "output" or (u.target in RETURN_VIEWS and returned_only(u.users)) for u in users)
 
 
 def _logits_chain(n) -> list[fx.Node]:
@@ -194,7 +193,7 @@ def _logits_chain(n) -> list[fx.Node]:
     ``lm_head(h).float()`` as its logits, and the loss casts them again)."""
     chain = []
     while isinstance(n, fx.Node) and n.op == "call_function" and (
-            (n.target in CASTS and _to_f32_same_device(n) and sum(not _returns(u) for u in n.users) == 1)
+            (n.target in CASTS and _to_f32_same_device(n) and sum(not returned_only([u]) for u in n.users) == 1)
             or (n.target in ROW_MERGES and _merges_rows(n) and len(n.users) == 1)):
         chain.append(n)
         n = n.args[0]

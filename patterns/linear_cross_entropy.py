@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxfuse.canon import val
+from fxfuse.canon_rules import returned_only
 from fxfuse.pattern import Pattern, Variant
 
 aten = torch.ops.aten
@@ -320,13 +321,6 @@ def _miss_reason(ce: fx.Node) -> str | None:
     return None
 
 
-def _returned_only(n: fx.Node, users: list) -> bool:
-    """Logits may leave the site only to be returned (possibly through views): used in another
-    in-graph computation (a z-loss, say) they would lose their gradient."""
-    views = (aten.view.default, aten.reshape.default, aten.slice.Tensor, aten.detach.default)
-    return all(u.op == "output" or (u.target in views and _returned_only(u, list(u.users))) for u in users)
-
-
 _bf, _f32, _i64 = torch.bfloat16, torch.float32, torch.int64
 # transform after the .float(): only the lm_head's output rounds in low precision (in fp32 models the
 # cast is a no-op and these graphs are the cast-after variants', so they are traced in bf16 only)
@@ -362,7 +356,7 @@ PATTERN = Pattern(
             {"x": _f32, "w": _f32, "b": _f32, "s": _f32, "target": _i64, "target2d": _i64}),
     check=check,
     lower=lower,
-    may_escape=_returned_only,
+    may_escape=lambda n, users: returned_only(users),  # a z-loss would lose its gradient
     hidden_saved=_hidden,
     free_literals={aten.cross_entropy_loss.default: {3: "reduction"}},
     is_candidate=lambda n: n.target == aten.cross_entropy_loss.default,

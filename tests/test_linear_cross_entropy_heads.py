@@ -76,3 +76,30 @@ def test_returned_fp32_logits_under_autocast():
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     (e_loss, e_grad), (f_loss, f_grad) = bf16_errors(make, inputs, autocast=True, patterns=["linear_cross_entropy"])
     assert f_loss <= 2 * e_loss and f_grad <= 2 * e_grad, ((e_loss, e_grad), (f_loss, f_grad))
+
+
+class LastTokenLogits(torch.nn.Module):
+    """Returns ``lm_head(h).float()`` through a slice (the last position, as generation reads it) next
+    to a loss that casts the same logits again."""
+
+    def __init__(self, h=24, v=70):
+        super().__init__()
+        self.lin = torch.nn.Linear(h, v, bias=False)
+
+    def forward(self, x, labels):
+        logits = self.lin(x).float()
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.view(-1))
+        return loss, logits[:, -1:]
+
+
+def test_returned_fp32_logits_through_a_slice_under_autocast():
+    torch.manual_seed(0)
+    model = LastTokenLogits()
+    x, labels = torch.randn(3, 5, 24), torch.randint(0, 70, (3, 5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref_last = model(x, labels)
+        loss, last = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})(x, labels)
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1, str(fxfuse.last_report())
+    assert last.dtype == torch.float32
+    torch.testing.assert_close(last, ref_last, rtol=0, atol=0)
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-3, atol=0)
