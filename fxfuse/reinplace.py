@@ -124,12 +124,13 @@ def overwritable(target: fx.Node, call: fx.Node, others: list, grad: torch.Tenso
     return all(u is call or u in family or order.get(u, here + 1) < here for m in family for u in m.users)
 
 
-def _fresh_gradient(graph: fx.Graph, gate: fx.Node, need: bool, val) -> fx.Node:
+def _fresh_gradient(graph: fx.Graph, like: fx.Node, need: bool, val) -> fx.Node:
     """What the functional op would return for a gradient not placed over an input: a contiguous
-    [..., I] like gate, or [0] when not asked for."""
-    g = gate.meta["val"]
+    [..., I] like its input (gate for dgate, up for dup: their dtypes may differ), or [0] when not
+    asked for."""
+    g = like.meta["val"]
     if need:
-        d = graph.call_function(torch.ops.aten.empty_like.default, (gate,), {"memory_format": torch.contiguous_format})
+        d = graph.call_function(torch.ops.aten.empty_like.default, (like,), {"memory_format": torch.contiguous_format})
     else:
         d = graph.call_function(torch.ops.aten.empty.memory_format, ([0],), {"dtype": g.dtype, "device": g.device})
     d.meta["val"] = val
@@ -164,7 +165,8 @@ def _place_pair(graph: fx.Graph, call: fx.Node, into, at: int, order: dict) -> i
     if not any(over):
         return 0
     with graph.inserting_before(call):
-        dst = [t if over[k] else _fresh_gradient(graph, gate, need[k], vals[k]) for k, (t, _) in enumerate(targets)]
+        dst = [t if over[k] else _fresh_gradient(graph, (gate, up)[k], need[k], vals[k])
+               for k, (t, _) in enumerate(targets)]
     new = _call_into(graph, call, into, (*call.args[:at], *dst, *call.args[at:]))
     for d in (*dst, new):
         order.setdefault(d, order[call])

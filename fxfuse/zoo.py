@@ -149,12 +149,10 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("gpt2", "linear_cross_entropy"): "graph break",
 }
 
-# (architecture, pattern) -> why fewer sites fuse under bf16 autocast than in fp32 (Result.autocast_gaps):
-# a gated MLP whose gate is bf16 and whose up is fp32 there (Gemma 3n / 4's per-layer input gate, the
-# Mamba-style mixers' scan output times act(gate)); the gated-MLP ops take one dtype
-KNOWN_AUTOCAST_GAPS: dict[tuple[str, str], str] = {
-    (m, "swiglu"): "mixed dtypes" for m in ("gemma4_text", "gemma3n_text", "mamba", "falcon_mamba", "jamba", "zamba")
-}
+# (architecture, pattern) -> why fewer sites fuse under bf16 autocast than in fp32 (Result.autocast_gaps).
+# None now: the mixed-dtype gated MLPs (Gemma 3n / 4's per-layer input gate, the Mamba-style mixers'
+# scan output times act(gate)) fuse since fxfuse::swiglu takes a bf16 gate with an fp32 up
+KNOWN_AUTOCAST_GAPS: dict[tuple[str, str], str] = {}
 
 
 def hf_config(spec: str, **overrides):

@@ -27,9 +27,10 @@ def round_store(x, DTYPE: tl.constexpr, RNE_BY_BITS: tl.constexpr):
     """fp32 -> DTYPE, round to nearest even. The interpreter truncates fp32 -> bf16 (the GPU rounds),
     so under it bf16 is rounded by hand on the bits (NaN kept quiet) to test the GPU's numerics."""
     if RNE_BY_BITS:
-        bits = x.to(tl.uint32, bitcast=True)
-        rne = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        return tl.where(x != x, (bits >> 16) | 0x40, rne).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        if DTYPE == tl.bfloat16:  # a mixed-dtype op also stores fp32 under the same flag
+            bits = x.to(tl.uint32, bitcast=True)
+            rne = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return tl.where(x != x, (bits >> 16) | 0x40, rne).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(DTYPE)
 
 
@@ -111,7 +112,8 @@ def store_pair(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """a and b rounded to the outputs' dtype, stored at columns pid_n * BLOCK_N + [0, BLOCK_N)."""
+    """a and b each rounded to its output's dtype (PAIR 0: they may differ, as a mixed-dtype swiglu's
+    dgate and dup do), stored at columns pid_n * BLOCK_N + [0, BLOCK_N)."""
     r64 = rows.to(tl.int64)[:, None]
     dtype = a_ptr.dtype.element_ty
     if PAIR == 0:
@@ -121,7 +123,7 @@ def store_pair(
         if STORE_A:
             tl.store(a_ptr + offs, round_store(a, dtype, RNE_BY_BITS), mask=mask)
         if STORE_B:
-            tl.store(b_ptr + offs, round_store(b, dtype, RNE_BY_BITS), mask=mask)
+            tl.store(b_ptr + offs, round_store(b, b_ptr.dtype.element_ty, RNE_BY_BITS), mask=mask)
     else:
         cols = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
         mask = (rows < M)[:, None] & (cols < 2 * I)[None, :]
@@ -248,18 +250,18 @@ def _rne_bf16(t: torch.Tensor) -> bool:
 
 
 def launch_forward(kernel, gate: torch.Tensor, up: torch.Tensor, scalars: tuple, max_tile: int,
-                   **constexprs) -> torch.Tensor:
-    """out: contiguous [..., I] in gate's dtype, from a gated forward kernel whose arguments are
-    (gate, up, out pointers, M, I, gate's and up's strides, *scalars) and the constexprs PAIR,
-    RNE_BY_BITS, BLOCK_M, BLOCK_N plus the op's own."""
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+                   out_dtype: torch.dtype | None = None, **constexprs) -> torch.Tensor:
+    """out: contiguous [..., I] in out_dtype (default gate's), from a gated forward kernel whose
+    arguments are (gate, up, out pointers, M, I, gate's and up's strides, *scalars) and the constexprs
+    PAIR, RNE_BY_BITS, BLOCK_M, BLOCK_N plus the op's own."""
+    out = torch.empty(gate.shape, dtype=out_dtype or gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
     g2, u2 = rows(gate), rows(up)
     ins, pair_code = pair(g2, u2)
     m, n = g2.shape
     grid, bm, bn, num_warps = launch_config(m, n, max_tile)
-    kernel[grid](*ins[:2], out, m, n, *ins[2:], *scalars, PAIR=pair_code, RNE_BY_BITS=_rne_bf16(out),
+    kernel[grid](*ins[:2], out, m, n, *ins[2:], *scalars, PAIR=pair_code, RNE_BY_BITS=_rne_bf16(out) or _rne_bf16(gate),
                  BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps, **constexprs)
     return out
 
@@ -272,7 +274,8 @@ def launch_backward(kernel, grad_out: torch.Tensor, gate: torch.Tensor, up: torc
     plus the op's own; it writes dgate and / or dup."""
     args, layouts, m, n = backward_args(grad_out, gate, up, dgate, dup, need_dgate, need_dup)
     grid, bm, bn, num_warps = launch_config(m, n, max_tile)
-    kernel[grid](*args, *scalars, **layouts, NEED_DGATE=need_dgate, NEED_DUP=need_dup, RNE_BY_BITS=_rne_bf16(gate),
+    kernel[grid](*args, *scalars, **layouts, NEED_DGATE=need_dgate, NEED_DUP=need_dup,
+                 RNE_BY_BITS=_rne_bf16(gate) or _rne_bf16(up),
                  BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps, **constexprs)
 
 

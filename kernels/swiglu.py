@@ -1,6 +1,10 @@
 """Gated-MLP activation (SwiGLU / GeGLU / ReGLU): ``torch.ops.fxfuse.swiglu(gate, up, act)``.
 
-Shapes: gate, up: [..., I] (same shape and dtype), viewed as [M, I] rows; out: [..., I].
+Shapes: gate, up: [..., I] (same shape), viewed as [M, I] rows; out: [..., I].
+Dtypes: out in promote_types(gate, up), dgate in gate's and dup in up's dtype. They may differ, as
+under bf16 autocast where a bf16 gate projection meets an fp32 up (Mamba's scan output times
+act(gate); Gemma 3n's per-layer gate): eager then computes act(g) in gate's dtype and the product in
+fp32, and round_act rounds act(g) and dout * u to gate's dtype as eager stores them.
 
 Forward (fp32 math, one rounding to the dtype at the store):
     out = act(g) * u,          g = float32(gate), u = float32(up)
@@ -168,10 +172,19 @@ def _check_act(act: str) -> int:
     return _ACT_ID[act]
 
 
+# the kernels compute in fp32: a mixed pair with fp64 in it would lose the fp64 operand's precision
+_MIXABLE = {torch.float32, torch.bfloat16, torch.float16}
+
+
 def _check_args(gate: torch.Tensor, up: torch.Tensor, act: str) -> int:
-    if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"fxfuse.swiglu: gate {gate.shape}/{gate.dtype} and up {up.shape}/{up.dtype} differ")
+    if gate.shape != up.shape or (gate.dtype != up.dtype and not {gate.dtype, up.dtype} <= _MIXABLE):
+        raise ValueError(f"fxfuse.swiglu: gate {gate.shape}/{gate.dtype} and up {up.shape}/{up.dtype}: one shape "
+                         "needed, and one dtype unless both are float32 / bfloat16 / float16")
     return _check_act(act)
+
+
+def _out_dtype(gate: torch.Tensor, up: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(gate.dtype, up.dtype)
 
 
 def _on_triton(t: torch.Tensor) -> bool:
@@ -193,12 +206,13 @@ _lib.define(
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = False) -> torch.Tensor:
-    """act(gate) * up with fp32 math; gate, up: [..., I] same shape/dtype; out: contiguous [..., I].
-    round_act: act(gate) is rounded to the dtype before the product, as eager's two ops do."""
+    """act(gate) * up with fp32 math; gate, up: [..., I] same shape; out: contiguous [..., I] in their
+    promoted dtype. round_act: act(gate) is rounded to gate's dtype before the product, as eager's two
+    ops do."""
     act_id = _check_args(gate, up, act)
     if not _on_triton(gate):
         return _swiglu_reference(gate, up, act, round_act)
-    return launch_forward(_swiglu_fwd_kernel, gate, up, (), _max_tile(act_id), ACT=act_id,
+    return launch_forward(_swiglu_fwd_kernel, gate, up, (), _max_tile(act_id), _out_dtype(gate, up), ACT=act_id,
                           ROUND_ACT=round_code(gate.dtype, round_act))
 
 
@@ -222,12 +236,13 @@ def swiglu_backward(
     grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str, need_dgate: bool, need_dup: bool,
     round_act: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dgate, dup), each [..., I] contiguous; a gradient not asked for comes back as an empty [0] tensor."""
+    """(dgate, dup), each [..., I] contiguous in gate's / up's dtype; a gradient not asked for comes back
+    as an empty [0] tensor."""
     if not _on_triton(gate):
         _check_act(act)
         return _swiglu_backward_reference(grad_out, gate, up, act, need_dgate, need_dup, round_act)
     dgate = torch.empty(gate.shape if need_dgate else (0,), dtype=gate.dtype, device=gate.device)
-    dup = torch.empty(gate.shape if need_dup else (0,), dtype=gate.dtype, device=gate.device)
+    dup = torch.empty(gate.shape if need_dup else (0,), dtype=up.dtype, device=gate.device)
     swiglu_backward_into(grad_out, gate, up, act, dgate, dup, need_dgate, need_dup, round_act)
     return dgate, dup
 
@@ -244,13 +259,13 @@ for _key in ("CPU", "CUDA"):
 @torch.library.register_fake("fxfuse::swiglu", lib=_lib)
 def _(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = False) -> torch.Tensor:
     _check_args(gate, up, act)
-    return gate.new_empty(gate.shape)
+    return gate.new_empty(gate.shape, dtype=_out_dtype(gate, up))
 
 
 @torch.library.register_fake("fxfuse::swiglu_backward", lib=_lib)
 def _(grad_out, gate, up, act, need_dgate, need_dup, round_act=False):
     _check_act(act)
-    return gate.new_empty(gate.shape if need_dgate else (0,)), gate.new_empty(gate.shape if need_dup else (0,))
+    return gate.new_empty(gate.shape if need_dgate else (0,)), up.new_empty(gate.shape if need_dup else (0,))
 
 
 @torch.library.register_fake("fxfuse::swiglu_backward_into", lib=_lib)
@@ -295,17 +310,18 @@ def _act_grad_ref(g: torch.Tensor, act: str) -> torch.Tensor:
 
 
 def _swiglu_reference(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = False) -> torch.Tensor:
-    """act(gate) * up in fp32 (fp64 stays fp64), rounded once (twice with round_act); contiguous output."""
-    wide = torch.promote_types(gate.dtype, torch.float32)
+    """act(gate) * up in fp32 (fp64 stays fp64), rounded once (twice with round_act); contiguous output
+    in the promoted dtype."""
+    out_dtype = _out_dtype(gate, up)
+    wide = torch.promote_types(out_dtype, torch.float32)
     out = round_ref(_act_ref(gate.to(wide), act), gate.dtype, round_act) * up.to(wide)
-    return out.to(gate.dtype).contiguous()
+    return out.to(out_dtype).contiguous()
 
 
 def _swiglu_backward_reference(grad_out, gate, up, act, need_dgate, need_dup, round_act=False):
-    wide = torch.promote_types(gate.dtype, torch.float32)
+    wide = torch.promote_types(_out_dtype(gate, up), torch.float32)
     d, g, u = grad_out.to(wide), gate.to(wide), up.to(wide)
     rnd = lambda y: round_ref(y, gate.dtype, round_act)  # noqa: E731
-    empty = gate.new_empty(0)
-    dgate = (rnd(d * u) * _act_grad_ref(g, act)).to(gate.dtype).contiguous() if need_dgate else empty
-    dup = (d * rnd(_act_ref(g, act))).to(gate.dtype).contiguous() if need_dup else empty
+    dgate = (rnd(d * u) * _act_grad_ref(g, act)).to(gate.dtype).contiguous() if need_dgate else gate.new_empty(0)
+    dup = (d * rnd(_act_ref(g, act))).to(up.dtype).contiguous() if need_dup else up.new_empty(0)
     return dgate, dup

@@ -92,10 +92,12 @@ def check(m) -> str | None:
         return "no shape/dtype information on the inputs"
     if g.shape != u.shape:
         return f"gate {list(g.shape)} and up {list(u.shape)} differ in shape (broadcast product, not a gated MLP)"
-    if g.dtype != u.dtype or out.dtype != g.dtype:
-        return f"mixed dtypes gate {g.dtype}, up {u.dtype}, out {out.dtype}"
-    if g.dtype not in SUPPORTED:
-        return f"dtype {g.dtype} not supported (float32, bfloat16, float16)"
+    if g.dtype not in SUPPORTED or u.dtype not in SUPPORTED:
+        return f"dtypes gate {g.dtype}, up {u.dtype} not supported (float32, bfloat16, float16)"
+    if out.dtype != torch.promote_types(g.dtype, u.dtype):
+        return f"mixed dtypes gate {g.dtype}, up {u.dtype}, out {out.dtype} (not their promoted dtype)"
+    if g.dtype != u.dtype and ("limit" in m.scalars or "gate_cap" in m.scalars):
+        return f"mixed dtypes gate {g.dtype}, up {u.dtype}: the clamped / softcapped ops take one dtype"
     if g.device.type not in ("cuda", "cpu"):
         return f"device {g.device} not supported"
     return None

@@ -117,7 +117,7 @@ def flat_grads(grads: dict) -> torch.Tensor:
     return torch.cat([grads[k].double().flatten() for k in sorted(grads)])
 
 
-def bf16_errors(make_model, inputs: dict, autocast: bool = False, patterns=None, loss_fn=None):
+def bf16_errors(make_model, inputs: dict, autocast: bool = False, patterns=None, loss_fn=None, inner="aot_eager"):
     """((eager loss err, eager grads err), (fxfuse loss err, fxfuse grads err)) of a bf16 run
     (bf16 weights, or fp32 weights under bf16 autocast) against the fp32 eager reference;
     make_model(dtype) builds the same model each call."""
@@ -127,7 +127,7 @@ def bf16_errors(make_model, inputs: dict, autocast: bool = False, patterns=None,
     with ctx():
         e_loss, e_grads = loss_and_grads(make_model(dtype), inputs, loss_fn)
     mine = make_model(dtype)
-    options = {"inner": "aot_eager"} | ({"patterns": patterns} if patterns else {})
+    options = {"inner": inner} | ({"patterns": patterns} if patterns else {})
     compiled = torch.compile(mine, backend="fxfuse", options=options)
     with ctx():
         f_loss, f_grads = loss_and_grads(mine, inputs, loss_fn, call=compiled)

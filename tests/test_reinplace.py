@@ -185,6 +185,26 @@ def test_pass_leaves_graph_inputs_alone():
     assert all(torch.equal(a, b) for a, b in zip(args, saved))
 
 
+def test_pass_gives_a_fresh_gradient_its_input_dtype():
+    """A mixed-dtype swiglu (an fp32 gate computed in the graph, a bf16 up, as under autocast): dgate
+    goes over the dead gate; dup (bf16) cannot go over the fp32 grad_out and gets a fresh buffer of up's
+    dtype, not gate's."""
+    def f(x, wg, up, dy, wd):
+        gate = torch.mm(x, wg.t())
+        dgate, dup = OPS.swiglu_backward(torch.mm(dy, wd), gate, up, "silu", True, True)
+        return torch.mm(dgate, wg), dup * 1
+
+    args = [_rand(s, torch.float32, k) for k, s in enumerate([(N, H), (I, H), (N, I), (N, H), (H, I)])]
+    args[2] = args[2].bfloat16()
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    expected = gm(*args)
+    assert reinplace(gm.graph) == 1
+    gm.recompile()
+    got = gm(*args)
+    assert [t.dtype for t in got] == [torch.float32, torch.bfloat16]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
 def _compiled_llama(checkpointing: bool, options: dict, model_type: str = "llama"):
     from fxfuse.zoo import HF_ZOO
 
