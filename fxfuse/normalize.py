@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import opaque
+from .canon_rules import CASTS
 from .checkpoint import inline_checkpoints
 
 
@@ -281,8 +282,6 @@ def canonical_casts(graph: fx.Graph) -> None:
     twice (``q.float() * cos + rotate_half(q.float()) * sin``), one x to the patterns; in fp32 both are
     no-ops and it matched already. Only where every node between the two is a pure ATen op: no in-place
     write (to x or a tensor x views) and no grad-mode switch lies between them."""
-    from .canon_rules import CASTS
-
     seen: dict[tuple, fx.Node] = {}
     for n in list(graph.nodes):
         if not _pure(n):

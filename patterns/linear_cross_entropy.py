@@ -210,9 +210,11 @@ def check(m) -> str | None:
     if b is not None and (b.numel() != w.shape[0] or any(d != 1 for d in b.shape[:-1])):
         return (f"bias of shape {list(b.shape)} is not one number per vocabulary entry "
                 f"([{w.shape[0]}] or [1, {w.shape[0]}])")
-    if m.variant.fn is lce_logits_bias_bart and val(_bias_add(m)).dtype != val(_logits_node(m)).dtype:
-        return (f"the bias add promotes the {val(_logits_node(m)).dtype} logits to {val(_bias_add(m)).dtype} "
-                f"(a {b.dtype} bias under autocast): the fused op would add it in the lm_head's dtype")
+    if m.variant.fn is lce_logits_bias_bart:
+        low, added = val(_logits_node(m)).dtype, val(_bias_add(m)).dtype
+        if added != low:
+            return (f"the bias add promotes the {low} logits to {added} (a {b.dtype} bias under autocast): the "
+                    "fused op would add it in the lm_head's dtype")
     scale = val(m.inputs.get("s"))
     if scale is not None:
         if scale.dtype not in SUPPORTED:
