@@ -4,6 +4,7 @@
     python bench/bench_swiglu.py --act clamped_swiglu --shapes 65536x2880   # gpt-oss experts
     python bench/bench_swiglu.py --interleaved --round-act --shapes 65536x2880 --cuda-graph
     python bench/bench_swiglu.py --act softcapped_swiglu --chunked --shapes 65536x1024   # Inkling 2 experts
+    python bench/bench_swiglu.py --up-dtype float32 --shapes 16384x8192   # Mamba's mixer under bf16 autocast
 
 --act clamped_swiglu is gpt-oss's activation (alpha 1.702, limit 7) on its layout, gate and up
 interleaved in one [M, 2I] tensor (gate_up[..., ::2], gate_up[..., 1::2]); --chunked takes gate and
@@ -11,6 +12,8 @@ up as the halves of one [M, 2I] tensor (Phi-3), --interleaved as gpt-oss's colum
 layouts the gradient is that of the [M, 2I] tensor, and fxfuse runs the op its backend emits there
 (fxfuse::swiglu_packed / clamped_swiglu_packed: d gate_up written by the kernel, no scatter of dg
 and du into it). --round-act: fxfuse rounds as under the backend's default numerics="eager".
+--up-dtype: up in another dtype than gate (bf16 gate, fp32 up under bf16 autocast: Mamba's scan output
+times act(gate), Gemma 3n's per-layer gate); out and dout in the promoted dtype, as eager's product.
 --act softcapped_swiglu is Inkling 2's (gate cap 4, up cap 25, fp32 math as its ``.float()``); on a
 packed layout fxfuse runs fxfuse::softcapped_swiglu_packed, as the backend emits it since the
 thirty-fourth session (before: the unpacked op on the halves, dgate and dup concatenated).
@@ -35,9 +38,11 @@ from common import (  # noqa: E402
 DEFAULT_SHAPES = ("16384x14336", "8192x8192")
 
 
-def swiglu_bytes(m: int, i: int, element_size: int) -> int:
-    """Minimum bytes of fwd+bwd: fwd reads g, u and writes out; bwd reads g, u, dout and writes dg, du."""
-    return (3 + 5) * m * i * element_size
+def swiglu_bytes(m: int, i: int, element_size: int, up_size: int | None = None, out_size: int | None = None) -> int:
+    """Minimum bytes of fwd+bwd: fwd reads g, u and writes out; bwd reads g, u, dout and writes dg, du.
+    Sizes per element: g's (element_size), u's and out's (default: g's)."""
+    up_size, out_size = up_size or element_size, out_size or element_size
+    return 3 * m * i * element_size + 3 * m * i * up_size + 2 * m * i * out_size
 
 
 GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
@@ -58,10 +63,12 @@ def eager_swiglu(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
     return F.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none") * u
 
 
-def _liger_fn(act: str):
+def _liger_fn(act: str, mixed: bool = False):
     """Liger's fused op for act, or (None, reason)."""
     if not have_liger():
         return None, "liger_kernel not installed"
+    if mixed:
+        return None, "liger's gated ops take one dtype"
     if act == "silu":
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
@@ -98,13 +105,13 @@ def _fxfuse_fn(act: str, layout: str, round_act: bool):
     return lambda gu: ops.swiglu_packed(gu, act, interleaved, False, round_act)
 
 
-def _provider_fn(provider: str, act: str, layout: str, round_act: bool = False):
+def _provider_fn(provider: str, act: str, layout: str, round_act: bool = False, mixed: bool = False):
     """(fn(*leaves) -> out, note); fn is None when the provider cannot run. leaves: (g, u), or
     (gate_up,) for a packed layout."""
     if provider == "fxfuse":
         return _fxfuse_fn(act, layout, round_act), ""
     if provider == "liger":
-        fn, note = _liger_fn(act)
+        fn, note = _liger_fn(act, mixed)
     elif provider == "inductor":
         fn, note = torch.compile(lambda g, u: eager_swiglu(g, u, act)), ""
     elif provider == "eager":
@@ -118,16 +125,19 @@ def _provider_fn(provider: str, act: str, layout: str, round_act: bool = False):
     return (lambda gu: fn(*_halves(gu, layout))), note
 
 
-def _inputs(m: int, i: int, dtype: torch.dtype, layout: str, seed: int = 0):
-    """(leaves, dout): leaves are gate, up [m, i], or one gate_up [m, 2i] for a packed layout
-    ("chunked": gate and up its halves; "interleaved": its even and odd columns); dout: [m, i]."""
+def _inputs(m: int, i: int, dtype: torch.dtype, layout: str, seed: int = 0, up_dtype: torch.dtype | None = None):
+    """(leaves, dout): leaves are gate, up [m, i] (up in up_dtype, default dtype), or one gate_up
+    [m, 2i] for a packed layout ("chunked": gate and up its halves; "interleaved": its even and odd
+    columns); dout: [m, i] in the output's dtype."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     scale = 4 if layout == "interleaved" else 1  # x4: some values past gpt-oss's clamp at 7
+    up_dtype = up_dtype or dtype
     if layout == "separate":
-        leaves = tuple(torch.randn(m, i, device="cuda", dtype=dtype, generator=gen).requires_grad_() for _ in "gu")
+        leaves = tuple(torch.randn(m, i, device="cuda", dtype=d, generator=gen).requires_grad_()
+                       for d in (dtype, up_dtype))
     else:
         leaves = ((torch.randn(m, 2 * i, device="cuda", generator=gen) * scale).to(dtype).requires_grad_(),)
-    dout = torch.randn(m, i, device="cuda", dtype=dtype, generator=gen)
+    dout = torch.randn(m, i, device="cuda", dtype=torch.promote_types(dtype, up_dtype), generator=gen)
     return leaves, dout
 
 
@@ -137,10 +147,10 @@ def _fwd_bwd(fn, leaves, dout):
     return (out, *torch.autograd.grad(out, leaves, dout))
 
 
-def _max_err(fn, m: int, i: int, dtype: torch.dtype, act: str, layout: str) -> float:
+def _max_err(fn, m: int, i: int, dtype: torch.dtype, act: str, layout: str, up_dtype=None) -> float:
     """Max abs error of out and the gradients vs an fp32 reference on the same inputs (fresh copies:
     Liger's backward overwrites its saved inputs in place)."""
-    leaves, dout = _inputs(m, i, dtype, layout, seed=1)
+    leaves, dout = _inputs(m, i, dtype, layout, seed=1, up_dtype=up_dtype)
     wide = tuple(t.detach().float().requires_grad_() for t in leaves)
     ref_fn = (lambda g, u: eager_swiglu(g, u, act)) if layout == "separate" else (
         lambda gu: eager_swiglu(*_halves(gu, layout), act))
@@ -151,6 +161,8 @@ def _max_err(fn, m: int, i: int, dtype: torch.dtype, act: str, layout: str) -> f
 
 def run(args) -> list[Row]:
     dtype = getattr(torch, args.dtype)
+    up_dtype = getattr(torch, args.up_dtype or args.dtype)
+    mixed = up_dtype != dtype
     ceiling = copy_ceiling_gbps()
     print(f"copy ceiling: {ceiling:.0f} GB/s", flush=True)
     rows = []
@@ -158,16 +170,20 @@ def run(args) -> list[Row]:
         m, i = (int(v) for v in shape.lower().split("x"))
         layout = ("interleaved" if args.act == "clamped_swiglu" or args.interleaved
                   else "chunked" if args.chunked else "separate")
-        case = f"swiglu-{args.act} {m}x{i} {args.dtype}{'' if layout == 'separate' else ' ' + layout}"
-        nbytes = swiglu_bytes(m, i, torch.empty((), dtype=dtype).element_size())
+        if mixed and layout != "separate":
+            raise SystemExit("--up-dtype needs gate and up as separate tensors (not --chunked / --interleaved)")
+        dtypes = f"{args.dtype}" + (f" gate, {args.up_dtype} up" if mixed else "")
+        case = f"swiglu-{args.act} {m}x{i} {dtypes}{'' if layout == 'separate' else ' ' + layout}"
+        size = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
+        nbytes = swiglu_bytes(m, i, size(dtype), size(up_dtype), size(torch.promote_types(dtype, up_dtype)))
         for provider in args.providers:
-            fn, note = _provider_fn(provider, args.act, layout, args.round_act)
+            fn, note = _provider_fn(provider, args.act, layout, args.round_act, mixed)
             if fn is None:
                 rows.append(Row(case, provider, None, note=note))
                 continue
-            leaves, dout = _inputs(m, i, dtype, layout)
+            leaves, dout = _inputs(m, i, dtype, layout, up_dtype=up_dtype)
             step = lambda: _fwd_bwd(fn, leaves, dout)  # noqa: E731
-            err = _max_err(fn, m, i, dtype, args.act, layout)
+            err = _max_err(fn, m, i, dtype, args.act, layout, up_dtype)
             ms = bench_ms(graphed(step) if args.cuda_graph else step)
             gbps = nbytes / ms / 1e6
             rows.append(Row(case, provider, ms, gbps, 100 * gbps / ceiling, peak_extra_mib(step), err, note))
@@ -181,6 +197,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="MxI per case (gate and up each MxI)")
     parser.add_argument("--act", default="silu", choices=("silu", "gelu", "gelu_tanh", "clamped_swiglu", "softcapped_swiglu"))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--up-dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                        help="up in this dtype (default --dtype): a mixed pair as under autocast, out promoted")
     parser.add_argument("--chunked", action="store_true", help="gate, up = gate_up.chunk(2, -1) of one [M, 2I] tensor")
     parser.add_argument("--interleaved", action="store_true",
                         help="gate, up = gate_up[..., ::2], gate_up[..., 1::2] (clamped_swiglu's layout, always)")

@@ -171,6 +171,8 @@ def test_compile_dynamic_two_sizes():
 def test_bench_byte_count():
     mod = load_script("bench", "bench_swiglu")
     assert mod.swiglu_bytes(16384, 14336, 2) == 8 * 16384 * 14336 * 2
+    # bf16 gate, fp32 up and out: g read twice and dg written (3 x 2 bytes), u likewise (3 x 4), out and dout (2 x 4)
+    assert mod.swiglu_bytes(10, 3, 2, 4, 4) == 10 * 3 * (3 * 2 + 3 * 4 + 2 * 4)
     assert callable(mod.run) and callable(mod.add_args) and callable(mod.main)
 
 
