@@ -108,7 +108,9 @@ def test_opcheck(dtypes):
 @pytest.mark.parametrize("dtypes", PAIRS, ids=lambda p: f"{p[0]}-{p[1]}".replace("torch.", ""))
 def test_cuda_kernels_match_the_reference(dtypes, round_act):
     """The compiled kernels (two store dtypes in one launch, bf16 rounding on the GPU's own path)
-    against the PyTorch reference on the same CUDA tensors."""
+    against the PyTorch reference on the same CUDA tensors: each low-precision result differs in < 3%
+    of its elements (a rounding tie), each fp32 one within fp32 parity (the GPU's fast exp gives other
+    last bits than torch's sigmoid in ~35% of them: H200, forty-fourth session)."""
     g, u, dout = (t.detach().cuda() for t in make((333, 777), *dtypes))
     out = torch.ops.fxfuse.swiglu(g, u, "silu", round_act)
     dg, du = torch.ops.fxfuse.swiglu_backward(dout, g, u, "silu", True, True, round_act)
@@ -116,6 +118,9 @@ def test_cuda_kernels_match_the_reference(dtypes, round_act):
            *S._swiglu_backward_reference(dout, g, u, "silu", True, True, round_act))
     for x, r in zip((out, dg, du), ref):
         assert x.dtype == r.dtype
-        x, r = x.double(), r.double()
+        fp32, x, r = x.dtype == _f, x.double(), r.double()
         assert ((x - r).abs() <= 2.0 ** -7 * r.abs() + 1e-5 * r.abs().max()).all()
-        assert (x != r).double().mean() < 0.03
+        if fp32:
+            assert rel_err(x, r) < 1e-5
+        else:
+            assert (x != r).double().mean() < 0.03
