@@ -96,6 +96,10 @@ def check(m) -> str | None:
     eps = m.scalars.get("eps")
     if eps is not None and not isinstance(eps, (int, float)):
         return f"eps {eps!r} is not a constant number"
+    if _centred_input(m.inputs["x"]):
+        return ("the RMS part of a LayerNorm written out (its input is x - mean(x), I-BERT's IntLayerNorm): "
+                "fused alone it would write x - mean(x) to memory and split the LayerNorm that Inductor "
+                "fuses whole; fxfuse fuses RMSNorm, not LayerNorm")
     if m.consts.get("l2") and not isinstance(x.shape[-1], int):
         return f"an L2 norm over a symbolic dim ({x.shape[-1]}): its 1 / sqrt(D) weight needs D's value"
     return None
@@ -131,6 +135,23 @@ def _centred(rsqrt: fx.Node, hops: int = 5) -> bool:
         if any(a.target in centring for a in frontier):
             return True
     return False
+
+
+def _centred_input(x) -> bool:
+    """x is ``a - a.mean(-1, keepdim=True)`` (through a cast at most): the centred input of a LayerNorm."""
+    aten = torch.ops.aten
+    if isinstance(x, fx.Node) and x.target in CASTS:
+        x = x.args[0]
+    if not (isinstance(x, fx.Node) and x.target == aten.sub.Tensor and isinstance(x.args[1], fx.Node)):
+        return False
+    a, mean = x.args[0], x.args[1]
+    if mean.target in CASTS and isinstance(mean.args[0], fx.Node):
+        mean = mean.args[0]
+    if not (mean.target == aten.mean.dim and len(mean.args) > 1 and mean.args[0] is a):
+        return False
+    dims = mean.args[1]
+    last = {-1, val(a).dim() - 1} if isinstance(a, fx.Node) and val(a) is not None else {-1}
+    return isinstance(dims, (list, tuple)) and len(dims) == 1 and dims[0] in last
 
 
 def _inverse_root(n: fx.Node) -> bool:

@@ -259,7 +259,7 @@ def test_norm_dividing_its_source_is_reported(form):
 def test_layer_norm_written_out_is_no_candidate(variance):
     """xLSTM's multi-head LayerNorm, ``(x - mean) * rsqrt(x.var(unbiased=False) + eps)``, is a LayerNorm:
     not an RMSNorm candidate, so not reported as a near miss either. (Written as the mean of the centred
-    square, it is an RMSNorm of x - mean, and fuses as one.)"""
+    square, it is an RMSNorm of x - mean: refused with a reason, test_layer_norm_rms_part_is_refused.)"""
     def ln(x):
         xc = x - x.mean(-1, keepdim=True)
         v = {"var_biased": lambda: x.var(dim=-1, keepdim=True, unbiased=False),
@@ -268,6 +268,34 @@ def test_layer_norm_written_out_is_no_candidate(variance):
 
     report = fxfuse.explain(ln, torch.randn(4, 16))
     assert report.counts()["rms_norm"] == 0 and not [s for s in report.unmatched if s.pattern == "rms_norm"]
+
+
+@pytest.mark.parametrize("upcast", [False, True])
+def test_layer_norm_rms_part_is_refused(upcast):
+    """I-BERT's IntLayerNorm: ``y = x - mean(x); y / sqrt(eps + mean(y^2)) * w + b``. Its RMS part is an
+    RMSNorm of y, but fused alone it would write y and split the LayerNorm Inductor fuses whole: refused,
+    with the reason. An RMSNorm of a difference that is no centring (a residual) still fuses."""
+    w, b = torch.randn(16), torch.randn(16)
+
+    def ln(x, r):
+        xf = x.float() if upcast else x
+        y = xf - xf.mean(-1, keepdim=True)
+        layer = (y / torch.sqrt(1e-5 + y.pow(2).mean(-1, keepdim=True)) * w + b).sum()
+        d = x - r
+        return layer + (d * torch.rsqrt(d.pow(2).mean(-1, keepdim=True) + 1e-6) * w).sum()
+
+    report = fxfuse.explain(ln, torch.randn(4, 16), torch.randn(4, 16))
+    assert report.counts()["rms_norm"] == 1, str(report)
+    (site,) = [s for s in report.unmatched if s.pattern == "rms_norm"]
+    assert site.reason.startswith("the RMS part of a LayerNorm written out"), site.reason
+
+
+def test_ibert_layer_norms_are_not_fused():
+    from fxfuse.zoo import check_hf
+
+    r = check_hf("ibert", bf16_steps=0, task="masked-lm")
+    assert r.matched["rms_norm"] == 0 and r.expected["rms_norm"] == 0 and r.parity_ok, (r.matched, r.expected)
+    assert any(reason.startswith("the RMS part of a LayerNorm") for reason in r.reasons["rms_norm"]), r.reasons
 
 
 def test_inverse_rms_scaling_another_tensor_is_reported():
