@@ -179,6 +179,11 @@ def _miss_reason(n: fx.Node) -> str | None:
     if n.target == aten.linalg_vector_norm.default:
         return _L2_REASON
     v = n.args[0] if n.target != aten.rms_norm.default else None
+    if (isinstance(v, fx.Node) and v.target in (aten.clamp.default, aten.clamp_min.default)
+            and isinstance(v.args[0], fx.Node) and v.args[0].target == aten.mean.dim):
+        return ("eps as a floor under the root, sqrt(clamp(mean(x^2), min=eps)) (Gemma 3n's AltUp magnitude "
+                "matching): another function than rsqrt(mean(x^2) + eps) wherever mean(x^2) < eps, the one the "
+                "fused kernel computes")
     eps_under_root = isinstance(v, fx.Node) and v.target == aten.add.Tensor
     if eps_under_root:
         v = next((a for a in v.args if isinstance(a, fx.Node)), None)

@@ -298,6 +298,18 @@ def test_ibert_layer_norms_are_not_fused():
     assert any(reason.startswith("the RMS part of a LayerNorm") for reason in r.reasons["rms_norm"]), r.reasons
 
 
+def test_eps_floored_under_the_root_is_reported():
+    """Gemma 3n's AltUp magnitude matching, ``x * target / sqrt(mean(x^2).clamp(min=1e-5))``: a floor, not
+    an eps added under the root, so no RMSNorm; the report names the clamp."""
+    def altup(x, target):
+        return x * target / torch.sqrt(torch.mean(x ** 2, dim=-1, keepdim=True).clamp(min=1e-5))
+
+    report = fxfuse.explain(altup, torch.randn(4, 16), torch.randn(4, 1))
+    assert report.counts()["rms_norm"] == 0
+    (site,) = [s for s in report.unmatched if s.pattern == "rms_norm"]
+    assert site.reason.startswith("eps as a floor under the root"), site.reason
+
+
 def test_inverse_rms_scaling_another_tensor_is_reported():
     """DeepSeek-V4 / HY-V4 hyper-connections multiply a matmul of x by x's inverse RMS: there is no
     normalized x to fuse, and the report says so; x * rsqrt(...) next to it still fuses."""
