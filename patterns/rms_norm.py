@@ -138,15 +138,12 @@ def _centred(rsqrt: fx.Node, hops: int = 5) -> bool:
 
 
 def _centred_input(x) -> bool:
-    """x is ``a - a.mean(-1, keepdim=True)`` (through a cast at most): the centred input of a LayerNorm."""
+    """x is ``a - a.mean(-1, keepdim=True)`` (through casts): the centred input of a LayerNorm."""
     aten = torch.ops.aten
-    if isinstance(x, fx.Node) and x.target in CASTS:
-        x = x.args[0]
+    x = _uncast(x)
     if not (isinstance(x, fx.Node) and x.target == aten.sub.Tensor and isinstance(x.args[1], fx.Node)):
         return False
-    a, mean = x.args[0], x.args[1]
-    if mean.target in CASTS and isinstance(mean.args[0], fx.Node):
-        mean = mean.args[0]
+    a, mean = x.args[0], _uncast(x.args[1])
     if not (mean.target == aten.mean.dim and len(mean.args) > 1 and mean.args[0] is a):
         return False
     dims = mean.args[1]
@@ -180,6 +177,7 @@ def _miss_reason(n: fx.Node) -> str | None:
         return _L2_REASON
     v = n.args[0] if n.target != aten.rms_norm.default else None
     if (isinstance(v, fx.Node) and v.target in (aten.clamp.default, aten.clamp_min.default)
+            and len(v.args) > 1 and v.args[1] is not None  # a floor: clamp(max=...) alone is no eps
             and isinstance(v.args[0], fx.Node) and v.args[0].target == aten.mean.dim):
         return ("eps as a floor under the root, sqrt(clamp(mean(x^2), min=eps)) (Gemma 3n's AltUp magnitude "
                 "matching): another function than rsqrt(mean(x^2) + eps) wherever mean(x^2) < eps, the one the "

@@ -397,4 +397,3 @@ def test_exact_fp32_turns_tf32_off_and_restores_it():
 def test_exact_fp32_fixture(exact_fp32):
     """conftest's fixture, which the GPU parity tests use instead of setting the flags for good."""
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
-
