@@ -284,10 +284,12 @@ class GatedFunction(torch.autograd.Function):
     ``(grad_out, gate, up, *args[:flags_at], need_dgate, need_dup, *args[flags_at:])`` and returns
     (dgate, dup); saves only gate and up (views of gate_up stay views; the activation is recomputed).
     Each op subclasses it with its two ops and flags_at (swiglu_packed.py's _PackedFunction, for
-    the packed ops, is its twin)."""
+    the packed ops, is its twin); backward_tail, when set, is how many of args[flags_at:] the backward
+    takes (fxfuse::swiglu's out_dtype shapes only the forward's output)."""
 
     forward_op = backward_op = None
     flags_at = 0
+    backward_tail: int | None = None
 
     @classmethod
     def forward(cls, ctx, gate, up, *args):
@@ -304,5 +306,6 @@ class GatedFunction(torch.autograd.Function):
         if not (need_dgate or need_dup):
             return (None, None, *rest)
         k = cls.flags_at
-        dgate, dup = cls.backward_op(grad_out, gate, up, *ctx.args[:k], need_dgate, need_dup, *ctx.args[k:])
+        tail = ctx.args[k:] if cls.backward_tail is None else ctx.args[k:k + cls.backward_tail]
+        dgate, dup = cls.backward_op(grad_out, gate, up, *ctx.args[:k], need_dgate, need_dup, *tail)
         return (dgate if need_dgate else None, dup if need_dup else None, *rest)

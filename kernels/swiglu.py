@@ -5,6 +5,9 @@ Dtypes: out in promote_types(gate, up), dgate in gate's and dup in up's dtype. T
 under bf16 autocast where a bf16 gate projection meets an fp32 up (Mamba's scan output times
 act(gate); Gemma 3n's per-layer gate): eager then computes act(g) in gate's dtype and the product in
 fp32, and round_act rounds act(g) and dout * u to gate's dtype as eager stores them.
+out_dtype=float32 gives an fp32 out from low-precision gate and up: CUDA autocast runs ``pow`` in
+fp32, so T5's written-out GELU (``gelu_new``) computes act(g) in fp32 from a bf16 gate, and its
+product with a bf16 up is fp32 (round_act is then off: eager stores act(g) in fp32).
 
 Forward (fp32 math, one rounding to the dtype at the store):
     out = act(g) * u,          g = float32(gate), u = float32(up)
@@ -183,8 +186,14 @@ def _check_args(gate: torch.Tensor, up: torch.Tensor, act: str) -> int:
     return _check_act(act)
 
 
-def _out_dtype(gate: torch.Tensor, up: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(gate.dtype, up.dtype)
+def _out_dtype(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.dtype:
+    promoted = torch.promote_types(gate.dtype, up.dtype)
+    if out_dtype in (None, promoted):
+        return promoted
+    if out_dtype != torch.float32 or promoted == torch.float64:
+        raise ValueError(f"fxfuse.swiglu: out_dtype must be None or gate's and up's promoted dtype (here {promoted}), "
+                         f"or torch.float32 for float32 / bfloat16 / float16 inputs, got {out_dtype}")
+    return out_dtype
 
 
 def _on_triton(t: torch.Tensor) -> bool:
@@ -192,7 +201,7 @@ def _on_triton(t: torch.Tensor) -> bool:
 
 
 _lib = torch.library.Library("fxfuse", "FRAGMENT")
-_lib.define("swiglu(Tensor gate, Tensor up, str act, bool round_act=False) -> Tensor")
+_lib.define("swiglu(Tensor gate, Tensor up, str act, bool round_act=False, ScalarType? out_dtype=None) -> Tensor")
 _lib.define(
     "swiglu_backward(Tensor grad_out, Tensor gate, Tensor up, str act, bool need_dgate, bool need_dup, "
     "bool round_act=False) -> (Tensor, Tensor)"
@@ -205,14 +214,16 @@ _lib.define(
 )
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = False) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = False,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """act(gate) * up with fp32 math; gate, up: [..., I] same shape; out: contiguous [..., I] in their
-    promoted dtype. round_act: act(gate) is rounded to gate's dtype before the product, as eager's two
-    ops do."""
+    promoted dtype, or out_dtype (float32). round_act: act(gate) is rounded to gate's dtype before the
+    product, as eager's two ops do."""
     act_id = _check_args(gate, up, act)
+    out_dtype = _out_dtype(gate, up, out_dtype)
     if not _on_triton(gate):
-        return _swiglu_reference(gate, up, act, round_act)
-    return launch_forward(_swiglu_fwd_kernel, gate, up, (), _max_tile(act_id), _out_dtype(gate, up), ACT=act_id,
+        return _swiglu_reference(gate, up, act, round_act, out_dtype)
+    return launch_forward(_swiglu_fwd_kernel, gate, up, (), _max_tile(act_id), out_dtype, ACT=act_id,
                           ROUND_ACT=round_code(gate.dtype, round_act))
 
 
@@ -257,9 +268,9 @@ for _key in ("CPU", "CUDA"):
 
 
 @torch.library.register_fake("fxfuse::swiglu", lib=_lib)
-def _(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = False) -> torch.Tensor:
+def _(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = False, out_dtype=None) -> torch.Tensor:
     _check_args(gate, up, act)
-    return gate.new_empty(gate.shape, dtype=_out_dtype(gate, up))
+    return gate.new_empty(gate.shape, dtype=_out_dtype(gate, up, out_dtype))
 
 
 @torch.library.register_fake("fxfuse::swiglu_backward", lib=_lib)
@@ -279,6 +290,7 @@ _SWIGLU_BACKWARD = torch.ops.fxfuse.swiglu_backward.default
 
 class _SwiGLUFunction(GatedFunction):
     forward_op, backward_op, flags_at = _SWIGLU, _SWIGLU_BACKWARD, 1  # (act, need_dgate, need_dup, round_act)
+    backward_tail = 1  # round_act; out_dtype is the forward's alone
 
 
 register_autograd(_lib, "swiglu", _SWIGLU, _SwiGLUFunction)
@@ -309,10 +321,11 @@ def _act_grad_ref(g: torch.Tensor, act: str) -> torch.Tensor:
     return 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * c * (1.0 + 3.0 * k * g2)
 
 
-def _swiglu_reference(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = False) -> torch.Tensor:
+def _swiglu_reference(gate: torch.Tensor, up: torch.Tensor, act: str, round_act: bool = False,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """act(gate) * up in fp32 (fp64 stays fp64), rounded once (twice with round_act); contiguous output
-    in the promoted dtype."""
-    out_dtype = _out_dtype(gate, up)
+    in the promoted dtype or out_dtype."""
+    out_dtype = _out_dtype(gate, up, out_dtype)
     wide = torch.promote_types(out_dtype, torch.float32)
     out = round_ref(_act_ref(gate.to(wide), act), gate.dtype, round_act) * up.to(wide)
     return out.to(out_dtype).contiguous()

@@ -94,9 +94,11 @@ def check(m) -> str | None:
         return f"gate {list(g.shape)} and up {list(u.shape)} differ in shape (broadcast product, not a gated MLP)"
     if g.dtype not in SUPPORTED or u.dtype not in SUPPORTED:
         return f"dtypes gate {g.dtype}, up {u.dtype} not supported (float32, bfloat16, float16)"
-    if out.dtype != torch.promote_types(g.dtype, u.dtype):
-        return f"mixed dtypes gate {g.dtype}, up {u.dtype}, out {out.dtype} (not their promoted dtype)"
-    if g.dtype != u.dtype and ("limit" in m.scalars or "gate_cap" in m.scalars):
+    plain = "limit" not in m.scalars and "gate_cap" not in m.scalars
+    if out.dtype != torch.promote_types(g.dtype, u.dtype) and not (plain and fp32_out(m)):
+        return (f"mixed dtypes gate {g.dtype}, up {u.dtype}, out {out.dtype} (not their promoted dtype, nor an fp32 "
+                "act(gate) times up)")
+    if g.dtype != u.dtype and not plain:
         return f"mixed dtypes gate {g.dtype}, up {u.dtype}: the clamped / softcapped ops take one dtype"
     if g.device.type not in ("cuda", "cpu"):
         return f"device {g.device} not supported"
@@ -129,7 +131,7 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
     import fxfuse.kernels.swiglu_packed  # noqa: F401  registers every gated-MLP op (imports the other two)
 
     ops = torch.ops.fxfuse
-    packed = packed_source(m.inputs["gate"], m.inputs["up"])
+    packed = _packed(m)
     if "gate_cap" in m.scalars:  # one rounding at the store: nothing for numerics="eager" to reproduce
         caps = (float(m.scalars["gate_cap"]), float(m.scalars["up_cap"]))
         if packed:
@@ -137,11 +139,40 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
         return graph.call_function(ops.softcapped_swiglu.default, (m.inputs["gate"], m.inputs["up"], *caps))
     clamped = "limit" in m.scalars
     act = (float(m.scalars["alpha"]), float(m.scalars["limit"])) if clamped else (m.consts["act"],)
+    # round act(gate) where eager stores it in gate's dtype; an act(gate) in fp32 (CUDA autocast's pow
+    # in T5's GELU) is kept so
+    rounding = opts.eager_rounding and not _act_in_fp32(m)
     if packed:  # (gate_up, interleaved, up_first)
         op = ops.clamped_swiglu_packed if clamped else ops.swiglu_packed
-        return graph.call_function(op.default, (packed[0], *act, *packed[1:], opts.eager_rounding))
+        return graph.call_function(op.default, (packed[0], *act, *packed[1:], rounding))
     op = ops.clamped_swiglu if clamped else ops.swiglu
-    return graph.call_function(op.default, (m.inputs["gate"], m.inputs["up"], *act, opts.eager_rounding))
+    extra = (torch.float32,) if fp32_out(m) else ()
+    return graph.call_function(op.default, (m.inputs["gate"], m.inputs["up"], *act, rounding, *extra))
+
+
+def _act_node(m) -> fx.Node | None:
+    """The product's operand that is act(gate) (the one that is not up), or None."""
+    args = [a for a in m.anchor.args if isinstance(a, fx.Node)]
+    up = m.inputs["up"]
+    if m.anchor.target != torch.ops.aten.mul.Tensor or len(args) != 2 or up not in args or args[0] is args[1]:
+        return None
+    return args[1] if args[0] is up else args[0]
+
+
+def _act_in_fp32(m) -> bool:
+    """act(gate) computed in fp32 from a low-precision gate: under CUDA autocast, where ``pow`` (T5's
+    written-out GELU) and ``exp`` (SiLU from its definition) run in fp32 and the ops after them promote."""
+    act, g = _act_node(m), val(m.inputs["gate"])
+    a = val(act) if act is not None else None
+    return a is not None and g is not None and a.dtype == torch.float32 and g.dtype != torch.float32
+
+
+def fp32_out(m) -> bool:
+    """An fp32 product of an fp32 act(gate) and a low-precision up of the gate's dtype class, which the
+    promoted dtype of gate and up would not give: fxfuse::swiglu with out_dtype=float32."""
+    g, u, out = val(m.inputs["gate"]), val(m.inputs["up"]), val(m.anchor)
+    return (_act_in_fp32(m) and out.dtype == torch.float32 and u.dtype != torch.float32
+            and torch.promote_types(g.dtype, u.dtype) != torch.float32)
 
 
 def packed_source(gate: fx.Node, up: fx.Node) -> tuple[fx.Node, bool, bool] | None:
@@ -198,10 +229,18 @@ def _is_last_dim(src, dim) -> bool:
     return v is not None and isinstance(dim, int) and dim in (-1, v.dim() - 1)
 
 
+def _packed(m) -> tuple[fx.Node, bool, bool] | None:
+    """packed_source of the match's gate and up, where the packed ops take them (not for an fp32 out
+    from low-precision halves: only fxfuse::swiglu takes out_dtype)."""
+    if fp32_out(m):
+        return None
+    return packed_source(m.inputs["gate"], m.inputs["up"])
+
+
 def _unscattered_grads(m) -> list:
     """With gate and up packed in one tensor, the packed op's backward writes d gate_up itself: the
     separate dgate and dup that autograd scattered into it are not written."""
-    if packed_source(m.inputs["gate"], m.inputs["up"]) is None:
+    if _packed(m) is None:
         return []
     from fxfuse.rewrite import bytes_of, example_shape
 
