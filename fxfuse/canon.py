@@ -15,7 +15,8 @@ Rules (user spelling -> canonical label):
   - ``div(a, 1 + exp(-b))`` -> ``mul(a, sigmoid(b))`` (SiLU written from its definition);
   - ``reciprocal(sqrt(b))`` (``1.0 / torch.sqrt(b)``) -> ``rsqrt(b)``; a ``mul`` or ``div`` by the literal 1
     that keeps the dtype disappears (Python's ``1.0 / t`` traces as ``reciprocal(t) * 1.0``).
-  - ``div(sum(a, dims, keepdim), N)`` with N the number of summed elements -> ``mean(a, dims, keepdim)``.
+  - ``div(sum(a, dims, keepdim), N)`` or ``mul(sum(...), 1 / N)`` with N the number of summed elements ->
+    ``mean(a, dims, keepdim)``.
   - size-dependent literals (dims, slice bounds, reshape targets) are size-relative (shapes.py).
   - ``view``, ``reshape``, ``flatten``, ``unflatten`` and ``reshape_as`` (RoFormer's rotation) -> one
     ``reshape`` of the same merge / split groups: the same values whichever op moved them.
@@ -30,6 +31,7 @@ The recognisers live in canon_rules.py.
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -172,10 +174,8 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
                 alias[link] = link.args[0]
             if (vocab := _vocab_slice(n.args[0])) is not None:
                 alias[vocab] = vocab.args[0]
-        # sum feeding only div(sum, N) with N its element count is folded into the div (-> mean)
-        if (n.op == "call_function" and n.target == aten.div.Tensor and isinstance(n.args[0], fx.Node)
-                and n.args[0].target == aten.sum.dim_IntList and len(n.args[0].users) == 1
-                and isinstance(n.args[1], (int, float)) and _summed_numel(n.args[0]) == n.args[1]):
+        # sum feeding only div(sum, N) or mul(sum, 1 / N), N its element count, is folded into it (-> mean)
+        if _mean_of_sum(n):
             absorbed.add(n.args[0])
 
     for n in nodes:
@@ -191,6 +191,23 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
 
 
 COMMUTATIVE_LABELS = {str(op) for op in COMMUTATIVE}
+
+
+def _mean_of_sum(n: fx.Node) -> bool:
+    """n is ``sum(a, dims) / N`` or ``sum(a, dims) * (1 / N)`` (within one fp32 rounding of 1 / N), N
+    the summed element count, and the sum has no other user: a mean."""
+    if n.op != "call_function" or n.target not in (aten.div.Tensor, aten.mul.Tensor) or len(n.args) != 2:
+        return False
+    s, k = n.args
+    if not (isinstance(s, fx.Node) and s.target == aten.sum.dim_IntList and len(s.users) == 1
+            and isinstance(k, (int, float)) and not isinstance(k, bool)):
+        return False
+    count = _summed_numel(s)
+    if count is None:
+        return False
+    return k == count if n.target == aten.div.Tensor else math.isclose(k * count, 1.0, rel_tol=2.0 ** -24)
+
+
 def _canon(n: fx.Node, absorbed: set[fx.Node]):
     """(label, literals, [(pos, input node)], FX members) of one FX node; absorbed: the FX nodes
     build_view folded into their users (a chunk / split whose pieces read as slices, say)."""
@@ -226,8 +243,7 @@ def _canon(n: fx.Node, absorbed: set[fx.Node]):
         return str(aten.mul.Tensor), (EDGE, EDGE), [("0", n.args[0]), ("1", n.args[1])], [n]
     if t == aten.reciprocal.default and _is_reciprocal_sqrt(n.args[0]):
         return str(aten.rsqrt.default), (EDGE,), [("0", n.args[0].args[0])], [n.args[0], n]
-    if t == aten.div.Tensor and isinstance(n.args[0], fx.Node) and n.args[0].target == aten.sum.dim_IntList \
-            and len(n.args[0].users) == 1 and _summed_numel(n.args[0]) == n.args[1]:
+    if _mean_of_sum(n):
         s = n.args[0]
         x = val(s.args[0])
         dims = _neg(s.args[1], x.dim())

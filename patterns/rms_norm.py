@@ -1,9 +1,10 @@
 """RMSNorm: ``y = x / sqrt(mean(x^2, -1) + eps) * w`` in the spellings real models use.
 
 Each function below is copied from how a model family writes it; the canonical view (fxfuse/canon.py)
-already unifies ``x * x`` / ``pow(2)``, ``mean`` / ``sum / N``, ``* rsqrt`` / ``/ sqrt`` / ``** -0.5`` / ``/ ** 0.5``,
-and drops casts that do not change dtype, so an fp32 model matches the same functions. Per-head q/k
-norms on [B, T, H, D] are the same functions (the reduction is over the last dim only).
+already unifies ``x * x`` / ``pow(2)``, ``mean`` / ``sum / N`` / ``sum * (1 / N)``, ``* rsqrt`` / ``/ sqrt`` /
+``** -0.5`` / ``/ ** 0.5``, and drops casts that do not change dtype, so an fp32 model matches the same
+functions. Per-head q/k norms on [B, T, H, D] are the same functions (the reduction is over the last
+dim only).
 An L2 norm with eps under the root, ``x * rsqrt(sum(x^2) + eps)``, is the same op with eps / D and a
 constant 1 / sqrt(D) weight (the ``l2norm_*`` variants): it counts as an RMSNorm site.
 """

@@ -52,6 +52,8 @@ SPELLINGS = {
     "pow_mean_rsqrt": lambda x, w, eps: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w,
     "x_times_x": lambda x, w, eps: x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w,
     "sum_over_n": lambda x, w, eps: x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) / x.shape[-1] + eps) * w,
+    "sum_times_inv_n": lambda x, w, eps: x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) * (1.0 / x.shape[-1])
+                                                         + eps) * w,
     "div_sqrt": lambda x, w, eps: x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w,
     "one_over_sqrt": lambda x, w, eps: x * (1.0 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w,
     "reciprocal_sqrt": lambda x, w, eps: w * (x * torch.reciprocal(torch.sqrt((x * x).mean(-1, keepdim=True) + eps))),
