@@ -95,7 +95,7 @@ def check(m) -> str | None:
     if g.dtype not in SUPPORTED or u.dtype not in SUPPORTED:
         return f"dtypes gate {g.dtype}, up {u.dtype} not supported (float32, bfloat16, float16)"
     plain = "limit" not in m.scalars and "gate_cap" not in m.scalars
-    if out.dtype != torch.promote_types(g.dtype, u.dtype) and not (plain and fp32_out(m)):
+    if out.dtype != torch.promote_types(g.dtype, u.dtype) and not (plain and _fp32_out(m)):
         return (f"mixed dtypes gate {g.dtype}, up {u.dtype}, out {out.dtype} (not their promoted dtype, nor an fp32 "
                 "act(gate) times up)")
     if g.dtype != u.dtype and not plain:
@@ -146,7 +146,7 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
         op = ops.clamped_swiglu_packed if clamped else ops.swiglu_packed
         return graph.call_function(op.default, (packed[0], *act, *packed[1:], rounding))
     op = ops.clamped_swiglu if clamped else ops.swiglu
-    extra = (torch.float32,) if fp32_out(m) else ()
+    extra = (torch.float32,) if _fp32_out(m) else ()
     return graph.call_function(op.default, (m.inputs["gate"], m.inputs["up"], *act, rounding, *extra))
 
 
@@ -167,7 +167,7 @@ def _act_in_fp32(m) -> bool:
     return a is not None and g is not None and a.dtype == torch.float32 and g.dtype != torch.float32
 
 
-def fp32_out(m) -> bool:
+def _fp32_out(m) -> bool:
     """An fp32 product of an fp32 act(gate) and a low-precision up of the gate's dtype class, which the
     promoted dtype of gate and up would not give: fxfuse::swiglu with out_dtype=float32."""
     g, u, out = val(m.inputs["gate"]), val(m.inputs["up"]), val(m.anchor)
@@ -232,7 +232,7 @@ def _is_last_dim(src, dim) -> bool:
 def _packed(m) -> tuple[fx.Node, bool, bool] | None:
     """packed_source of the match's gate and up, where the packed ops take them (not for an fp32 out
     from low-precision halves: only fxfuse::swiglu takes out_dtype)."""
-    if fp32_out(m):
+    if _fp32_out(m):
         return None
     return packed_source(m.inputs["gate"], m.inputs["up"])
 
