@@ -7,7 +7,9 @@ this scan runs on the device the user trains on. Each model is built from its ti
 (fxfuse.zoo, fxfuse.zoo_vlm) with fp32 weights, explained once in fp32 and once under
 ``torch.autocast(device, dtype)``; a line per model says whether every pattern fused as many sites,
 and for a pattern that fused fewer, the unmatched reasons of the autocast run. One subprocess per
-model (a crash or hang costs that model only); exit 1 if any model fused fewer sites under autocast.
+model (a crash or hang costs that model only). A model the scan cannot explain is run without
+fxfuse to say whose failure it is (its own code in eager, or torch.compile with backend="eager").
+Exit 1 if any model fused fewer sites under autocast or failed only with fxfuse.
 
     python bench/autocast_scan.py --device cuda                       # the causal-LM zoo and the VLMs
     python bench/autocast_scan.py --device cuda --task seq2seq-lm     # every encoder-decoder LM type
@@ -63,6 +65,23 @@ def scan_one(spec: str, task: str, device: str, dtype: str) -> dict:
     return {"fp32": a, "autocast": b, "reasons": reasons}
 
 
+def whose_error(spec: str, task: str, device: str, dtype: str) -> str:
+    """Where a model the scan could not explain fails without fxfuse: "eager" (its own code, in fp32 or
+    under autocast: DeBERTa's bf16 mask fill), "backend='eager'" (torch.compile alone), or "fxfuse"."""
+    model, inputs = build(spec, task)
+    model.to(device).train()
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+    for call, who in ((model, "eager"), (torch.compile(model, backend="eager"), "backend='eager'")):
+        for ctx in (torch.autocast(device, enabled=False), torch.autocast(device, dtype=DTYPES[dtype])):
+            try:
+                with ctx:
+                    call(**inputs)
+            except Exception:  # noqa: BLE001  any failure of the model itself
+                return who
+        torch._dynamo.reset()
+    return "fxfuse"
+
+
 def run_one(spec: str, args) -> dict:
     cmd = [sys.executable, __file__, "--one", spec, "--task", args.task, "--device", args.device,
            "--dtype", args.dtype]
@@ -80,7 +99,8 @@ def run_one(spec: str, args) -> dict:
 
 def line(spec: str, r: dict) -> str:
     if "error" in r:
-        return f"{spec}: ERROR {r['error']}"
+        where = f" (fails without fxfuse too: {r['fails_in']})" if r.get("fails_in", "fxfuse") != "fxfuse" else ""
+        return f"{spec}: ERROR{where} {r['error']}"
     counts = " ".join(f"{p} {r['fp32'][p]}/{r['autocast'][p]}" for p in r["fp32"] if r["fp32"][p] or r["autocast"][p])
     if not r["reasons"]:
         return f"{spec}: same ({counts or 'no sites'})"
@@ -106,19 +126,26 @@ def main(argv=None) -> int:
     p.add_argument("--one", help=argparse.SUPPRESS)  # the subprocess: scan this model, print its JSON
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(scan_one(args.one, args.task, args.device, args.dtype)))
+        try:
+            print(json.dumps(scan_one(args.one, args.task, args.device, args.dtype)))
+        except Exception as e:  # noqa: BLE001  reported with where it fails without fxfuse
+            torch._dynamo.reset()
+            who = whose_error(args.one, args.task, args.device, args.dtype)
+            print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", "fails_in": who}))
         return 0
     models = args.models or default_models(args.task)
     print(f"autocast scan: {args.task}, {args.device}, {args.dtype}, torch {torch.__version__}, "
           f"{len(models)} models (fp32 / autocast sites fused)", flush=True)
-    fewer = errors = 0
+    fewer = errors = ours = 0
     with ThreadPoolExecutor(args.jobs) as pool:
         for spec, r in zip(models, pool.map(lambda s: run_one(s, args), models)):
             print(line(spec, r), flush=True)
             fewer += bool(r.get("reasons"))
             errors += "error" in r
-    print(f"{len(models) - fewer - errors} same, {fewer} fewer under autocast, {errors} could not run")
-    return 1 if fewer else 0
+            ours += r.get("fails_in") == "fxfuse"
+    print(f"{len(models) - fewer - errors} same, {fewer} fewer under autocast, {errors} could not run "
+          f"({ours} of them only with fxfuse)")
+    return 1 if fewer or ours else 0
 
 
 if __name__ == "__main__":
