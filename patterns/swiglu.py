@@ -263,7 +263,14 @@ def _is_candidate(n: fx.Node) -> bool:
             u.target == torch.ops.aten.mul.Tensor for u in n.users)
     return n.target == torch.ops.aten.sigmoid.default and (
         any(n.args[0] in u.args and _times_another(u) for u in muls) or _scaled_self_gate(n)
-        or _transformed_self_gate(n))
+        or _transformed_self_gate(n) or _reassociated(n))
+
+
+def _reassociated(n: fx.Node) -> bool:
+    """sigmoid(x) times another tensor first, that product then times x: ``x * (sigmoid(x) * up)``."""
+    x, mul = n.args[0], torch.ops.aten.mul.Tensor
+    return any(u.target == mul and x not in u.args and any(v.target == mul and x in v.args for v in u.users)
+               for u in n.users)
 
 
 def _times_another(prod: fx.Node) -> bool:
@@ -310,6 +317,9 @@ def _transformed_self_gate(n: fx.Node, hops: int = 3) -> bool:
 
 
 def _miss_reason(n: fx.Node) -> str | None:
+    if n.target == torch.ops.aten.sigmoid.default and _reassociated(n):
+        return ("SiLU's product reassociated, gate * (sigmoid(gate) * up): the fused op computes "
+                "(gate * sigmoid(gate)) * up, which rounds otherwise; write F.silu(gate) * up")
     if n.target == torch.ops.aten.sigmoid.default and _scaled_self_gate(n):
         return ("gate * sigmoid(alpha * gate) not in gpt-oss's clamped form (gate.clamp(max=limit), "
                 "up.clamp(-limit, limit), (up + 1) * glu), the only spelling the fused kernel computes")

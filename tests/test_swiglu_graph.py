@@ -149,6 +149,16 @@ def test_near_miss_silu_definition_reported():
     assert "also used outside" in site.reason, site.reason
 
 
+def test_near_miss_reassociated_silu_reported():
+    """gate * (sigmoid(gate) * up) is left unfused (another rounding order than the fused op's), with
+    the reason; before, it was not even a candidate and the report said nothing."""
+    g, u = torch.randn(3, 16), torch.randn(3, 16)
+    report = fxfuse.explain(lambda g, u: g * (torch.sigmoid(g) * u), g, u)
+    assert report.counts()["swiglu"] == 0
+    (site,) = [s for s in report.unmatched if s.pattern == "swiglu"]
+    assert "reassociated" in site.reason, site.reason
+
+
 def test_near_miss_activation_used_elsewhere():
     model = ActUsedTwice()
     x = torch.randn(3, 16)
