@@ -168,10 +168,10 @@ def _act_in_fp32(m) -> bool:
 
 
 def _fp32_out(m) -> bool:
-    """An fp32 product of an fp32 act(gate) and a low-precision up of the gate's dtype class, which the
-    promoted dtype of gate and up would not give: fxfuse::swiglu with out_dtype=float32."""
+    """An fp32 product of an fp32 act(gate) and up where gate's and up's promoted dtype is not fp32 (both
+    low-precision, of one dtype class): fxfuse::swiglu with out_dtype=float32."""
     g, u, out = val(m.inputs["gate"]), val(m.inputs["up"]), val(m.anchor)
-    return (_act_in_fp32(m) and out.dtype == torch.float32 and u.dtype != torch.float32
+    return (_act_in_fp32(m) and out.dtype == torch.float32
             and torch.promote_types(g.dtype, u.dtype) != torch.float32)
 
 
