@@ -5,6 +5,7 @@
     python bench/bench_swiglu.py --interleaved --round-act --shapes 65536x2880 --cuda-graph
     python bench/bench_swiglu.py --act softcapped_swiglu --chunked --shapes 65536x1024   # Inkling 2 experts
     python bench/bench_swiglu.py --up-dtype float32 --shapes 16384x8192   # Mamba's mixer under bf16 autocast
+    python bench/bench_swiglu.py --act gelu_tanh --fp32-act --shapes 16384x8192   # T5's gelu_new, CUDA autocast
 
 --act clamped_swiglu is gpt-oss's activation (alpha 1.702, limit 7) on its layout, gate and up
 interleaved in one [M, 2I] tensor (gate_up[..., ::2], gate_up[..., 1::2]); --chunked takes gate and
@@ -14,6 +15,8 @@ layouts the gradient is that of the [M, 2I] tensor, and fxfuse runs the op its b
 and du into it). --round-act: fxfuse rounds as under the backend's default numerics="eager".
 --up-dtype: up in another dtype than gate (bf16 gate, fp32 up under bf16 autocast: Mamba's scan output
 times act(gate), Gemma 3n's per-layer gate); out and dout in the promoted dtype, as eager's product.
+--fp32-act: act(gate) in fp32 from a bf16 gate, so out = act(g) * u and dout are fp32 (T5's gelu_new
+under CUDA autocast, which runs its pow in fp32); fxfuse runs fxfuse::swiglu with out_dtype=float32.
 --act softcapped_swiglu is Inkling 2's (gate cap 4, up cap 25, fp32 math as its ``.float()``); on a
 packed layout fxfuse runs fxfuse::softcapped_swiglu_packed, as the backend emits it since the
 thirty-fourth session (before: the unpacked op on the halves, dgate and dup concatenated).
@@ -49,7 +52,7 @@ GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
 INKLING_GATE_CAP, INKLING_UP_CAP = 4.0, 25.0  # Inkling2Config's mlp_gate_softcap, mlp_up_softcap defaults
 
 
-def eager_swiglu(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
+def eager_swiglu(g: torch.Tensor, u: torch.Tensor, act: str, fp32_act: bool = False) -> torch.Tensor:
     if act == "clamped_swiglu":  # HF GptOssExperts._apply_gate after its split
         g = g.clamp(min=None, max=GPT_OSS_LIMIT)
         u = u.clamp(min=-GPT_OSS_LIMIT, max=GPT_OSS_LIMIT)
@@ -58,6 +61,8 @@ def eager_swiglu(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
         gf, uf = g.float(), u.float()
         capped = torch.tanh(gf / INKLING_GATE_CAP) * INKLING_GATE_CAP * torch.sigmoid(gf)
         return (capped * (torch.tanh(uf / INKLING_UP_CAP) * INKLING_UP_CAP)).to(g.dtype)
+    if fp32_act:  # CUDA autocast's fp32 pow / exp inside the activation: act(g) and the product are fp32
+        g = g.float()
     if act == "silu":
         return F.silu(g) * u
     return F.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none") * u
@@ -68,7 +73,7 @@ def _liger_fn(act: str, mixed: bool = False):
     if not have_liger():
         return None, "liger_kernel not installed"
     if mixed:
-        return None, "liger's gated ops take one dtype"
+        return None, "liger's gated ops take one dtype (in, out)"
     if act == "silu":
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
@@ -86,9 +91,10 @@ def _halves(gate_up: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Ten
     return gate_up.chunk(2, dim=-1)  # Phi-3's gate_up_proj
 
 
-def _fxfuse_fn(act: str, layout: str, round_act: bool):
+def _fxfuse_fn(act: str, layout: str, round_act: bool, fp32_act: bool = False):
     """What the fxfuse backend emits: the packed op when gate and up are halves of one tensor.
-    round_act: numerics="eager" (the backend's default; fp32 math between eager's roundings)."""
+    round_act: numerics="eager" (the backend's default; fp32 math between eager's roundings).
+    fp32_act: out in fp32 (out_dtype), as the backend lowers an fp32 act(gate) of a low-precision gate."""
     import fxfuse.kernels.swiglu_packed  # noqa: F401  (registers the fxfuse swiglu ops)
 
     ops = torch.ops.fxfuse
@@ -98,24 +104,26 @@ def _fxfuse_fn(act: str, layout: str, round_act: bool):
             return lambda g, u: ops.softcapped_swiglu(g, u, *caps)
         return lambda gu: ops.softcapped_swiglu_packed(gu, *caps, layout == "interleaved", False)
     if layout == "separate":
-        return lambda g, u: ops.swiglu(g, u, act, round_act)
+        out_dtype = torch.float32 if fp32_act else None
+        return lambda g, u: ops.swiglu(g, u, act, round_act, out_dtype=out_dtype)
     interleaved = layout == "interleaved"
     if act == "clamped_swiglu":
         return lambda gu: ops.clamped_swiglu_packed(gu, GPT_OSS_ALPHA, GPT_OSS_LIMIT, interleaved, False, round_act)
     return lambda gu: ops.swiglu_packed(gu, act, interleaved, False, round_act)
 
 
-def _provider_fn(provider: str, act: str, layout: str, round_act: bool = False, mixed: bool = False):
+def _provider_fn(provider: str, act: str, layout: str, round_act: bool = False, mixed: bool = False,
+                 fp32_act: bool = False):
     """(fn(*leaves) -> out, note); fn is None when the provider cannot run. leaves: (g, u), or
     (gate_up,) for a packed layout."""
     if provider == "fxfuse":
-        return _fxfuse_fn(act, layout, round_act), ""
+        return _fxfuse_fn(act, layout, round_act, fp32_act), ""
     if provider == "liger":
-        fn, note = _liger_fn(act, mixed)
+        fn, note = _liger_fn(act, mixed or fp32_act)
     elif provider == "inductor":
-        fn, note = torch.compile(lambda g, u: eager_swiglu(g, u, act)), ""
+        fn, note = torch.compile(lambda g, u: eager_swiglu(g, u, act, fp32_act)), ""
     elif provider == "eager":
-        fn, note = (lambda g, u: eager_swiglu(g, u, act)), ""
+        fn, note = (lambda g, u: eager_swiglu(g, u, act, fp32_act)), ""
     else:
         raise ValueError(provider)
     if fn is None or layout == "separate":
@@ -125,10 +133,11 @@ def _provider_fn(provider: str, act: str, layout: str, round_act: bool = False, 
     return (lambda gu: fn(*_halves(gu, layout))), note
 
 
-def _inputs(m: int, i: int, dtype: torch.dtype, layout: str, seed: int = 0, up_dtype: torch.dtype | None = None):
+def _inputs(m: int, i: int, dtype: torch.dtype, layout: str, seed: int = 0, up_dtype: torch.dtype | None = None,
+            out_dtype: torch.dtype | None = None):
     """(leaves, dout): leaves are gate, up [m, i] (up in up_dtype, default dtype), or one gate_up
     [m, 2i] for a packed layout ("chunked": gate and up its halves; "interleaved": its even and odd
-    columns); dout: [m, i] in the output's dtype."""
+    columns); dout: [m, i] in the output's dtype (out_dtype, default gate's and up's promoted)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     scale = 4 if layout == "interleaved" else 1  # x4: some values past gpt-oss's clamp at 7
     up_dtype = up_dtype or dtype
@@ -137,7 +146,8 @@ def _inputs(m: int, i: int, dtype: torch.dtype, layout: str, seed: int = 0, up_d
                        for d in (dtype, up_dtype))
     else:
         leaves = ((torch.randn(m, 2 * i, device="cuda", generator=gen) * scale).to(dtype).requires_grad_(),)
-    dout = torch.randn(m, i, device="cuda", dtype=torch.promote_types(dtype, up_dtype), generator=gen)
+    out_dtype = out_dtype or torch.promote_types(dtype, up_dtype)
+    dout = torch.randn(m, i, device="cuda", dtype=out_dtype, generator=gen)
     return leaves, dout
 
 
@@ -147,10 +157,10 @@ def _fwd_bwd(fn, leaves, dout):
     return (out, *torch.autograd.grad(out, leaves, dout))
 
 
-def _max_err(fn, m: int, i: int, dtype: torch.dtype, act: str, layout: str, up_dtype=None) -> float:
+def _max_err(fn, m: int, i: int, dtype: torch.dtype, act: str, layout: str, up_dtype=None, out_dtype=None) -> float:
     """Max abs error of out and the gradients vs an fp32 reference on the same inputs (fresh copies:
     Liger's backward overwrites its saved inputs in place)."""
-    leaves, dout = _inputs(m, i, dtype, layout, seed=1, up_dtype=up_dtype)
+    leaves, dout = _inputs(m, i, dtype, layout, seed=1, up_dtype=up_dtype, out_dtype=out_dtype)
     wide = tuple(t.detach().float().requires_grad_() for t in leaves)
     ref_fn = (lambda g, u: eager_swiglu(g, u, act)) if layout == "separate" else (
         lambda gu: eager_swiglu(*_halves(gu, layout), act))
@@ -163,6 +173,7 @@ def run(args) -> list[Row]:
     dtype = getattr(torch, args.dtype)
     up_dtype = getattr(torch, args.up_dtype or args.dtype)
     mixed = up_dtype != dtype
+    out_dtype = torch.float32 if args.fp32_act else torch.promote_types(dtype, up_dtype)
     ceiling = copy_ceiling_gbps()
     print(f"copy ceiling: {ceiling:.0f} GB/s", flush=True)
     rows = []
@@ -172,18 +183,21 @@ def run(args) -> list[Row]:
                   else "chunked" if args.chunked else "separate")
         if mixed and layout != "separate":
             raise SystemExit("--up-dtype needs gate and up as separate tensors (not --chunked / --interleaved)")
+        if args.fp32_act and (layout != "separate" or args.act not in ("silu", "gelu", "gelu_tanh")):
+            raise SystemExit("--fp32-act takes --act silu / gelu / gelu_tanh on separate gate and up")
         dtypes = f"{args.dtype}" + (f" gate, {args.up_dtype} up" if mixed else "")
+        dtypes += " fp32 act" if args.fp32_act else ""
         case = f"swiglu-{args.act} {m}x{i} {dtypes}{'' if layout == 'separate' else ' ' + layout}"
         size = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
-        nbytes = swiglu_bytes(m, i, size(dtype), size(up_dtype), size(torch.promote_types(dtype, up_dtype)))
+        nbytes = swiglu_bytes(m, i, size(dtype), size(up_dtype), size(out_dtype))
         for provider in args.providers:
-            fn, note = _provider_fn(provider, args.act, layout, args.round_act, mixed)
+            fn, note = _provider_fn(provider, args.act, layout, args.round_act, mixed, args.fp32_act)
             if fn is None:
                 rows.append(Row(case, provider, None, note=note))
                 continue
-            leaves, dout = _inputs(m, i, dtype, layout, up_dtype=up_dtype)
+            leaves, dout = _inputs(m, i, dtype, layout, up_dtype=up_dtype, out_dtype=out_dtype)
             step = lambda: _fwd_bwd(fn, leaves, dout)  # noqa: E731
-            err = _max_err(fn, m, i, dtype, args.act, layout, up_dtype)
+            err = _max_err(fn, m, i, dtype, args.act, layout, up_dtype, out_dtype)
             ms = bench_ms(graphed(step) if args.cuda_graph else step)
             gbps = nbytes / ms / 1e6
             rows.append(Row(case, provider, ms, gbps, 100 * gbps / ceiling, peak_extra_mib(step), err, note))
@@ -199,6 +213,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--up-dtype", default=None, choices=("bfloat16", "float16", "float32"),
                         help="up in this dtype (default --dtype): a mixed pair as under autocast, out promoted")
+    parser.add_argument("--fp32-act", action="store_true",
+                        help="act(gate) in fp32, so out is fp32 (T5's gelu_new under CUDA autocast): fxfuse's out_dtype")
     parser.add_argument("--chunked", action="store_true", help="gate, up = gate_up.chunk(2, -1) of one [M, 2I] tensor")
     parser.add_argument("--interleaved", action="store_true",
                         help="gate, up = gate_up[..., ::2], gate_up[..., 1::2] (clamped_swiglu's layout, always)")

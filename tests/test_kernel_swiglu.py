@@ -223,3 +223,20 @@ def test_bench_softcapped_case_is_inklings_activation():
     got = mod._fwd_bwd(fused, (gu,), dout)
     ref = mod._fwd_bwd(lambda t: mod.eager_swiglu(*t.chunk(2, -1), "softcapped_swiglu"), (gu,), dout)
     assert rel_err(got[0], ref[0]) < 1e-5 and rel_err(got[1], ref[1]) < 1e-5
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_bench_fp32_act_case(act):
+    """bench_swiglu --fp32-act: eager's act(g.float()) * u and the fxfuse op it times (out_dtype=float32)
+    both give an fp32 out from bf16 gate and up, equal to within fp32 rounding; the bf16 gradients
+    within one bf16 rounding of each other (each rounds its fp32 gradient once)."""
+    mod = load_script("bench", "bench_swiglu")
+    gen = torch.Generator().manual_seed(0)
+    g, u = (torch.randn(199, 33, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    dout = torch.randn(199, 33, generator=gen)
+    got = mod._fwd_bwd(mod._fxfuse_fn(act, "separate", False, fp32_act=True), (g, u), dout)
+    ref = mod._fwd_bwd(lambda a, b: mod.eager_swiglu(a, b, act, fp32_act=True), (g, u), dout)
+    assert got[0].dtype == ref[0].dtype == torch.float32 and rel_err(got[0], ref[0]) < 1e-5
+    for x, r in zip(got[1:], ref[1:]):
+        assert x.dtype == torch.bfloat16
+        torch.testing.assert_close(x, r, rtol=2 ** -7, atol=1e-6)
