@@ -5,11 +5,13 @@ pre_dispatch keeps ``aten.linear``, ``aten.silu``, ``aten.cross_entropy_loss``, 
 and autocast stays a region, not casts baked into every op. Node metadata (module path, stack trace)
 is carried through by interpreting the graph node by node under ``preserve_node_meta``.
 
-Four spellings are unified on the ATen graph itself (model graphs and pattern traces alike, so one
+Six spellings are unified on the ATen graph itself (model graphs and pattern traces alike, so one
 pattern matches both): torch's alias ops that pre-dispatch keeps (``torch.multiply``, ``divide``,
 ``clip``, ``concat``, ...) become the op they stand for, an in-place op on a fresh intermediate
 (``F.silu(g, inplace=True)``, ``a.mul_(u)``) becomes its out-of-place twin, a cast repeated on the same
-tensor becomes one, and ``x @ w.t()`` becomes ``aten.linear``.
+tensor becomes one, ``x @ w.t()`` becomes ``aten.linear``, a mean or sum without keepdim whose dim an
+unsqueeze puts back (``rsqrt(x.pow(2).mean(-1) + eps)[..., None]``) keeps it, and ``nll_loss`` of a
+``log_softmax`` becomes ``cross_entropy`` (respell.py).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from . import opaque
 from .canon_rules import CASTS
 from .checkpoint import inline_checkpoints
+from .respell import canonical_keepdim, canonical_nll
 
 
 def _fakify(gm: fx.GraphModule, example_inputs, fake_mode):
@@ -303,6 +306,8 @@ def canonical_ops(graph: fx.Graph) -> None:
     canonical_inplace(graph)
     canonical_casts(graph)
     canonical_linear(graph)
+    canonical_keepdim(graph)
+    canonical_nll(graph)
 
 
 def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:

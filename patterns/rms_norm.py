@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from fxfuse.canon import CASTS, val
 from fxfuse.canon_rules import is_sqrt
+from fxfuse.shapes import RESHAPES
 from fxfuse.pattern import Pattern, Variant
 
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
@@ -191,7 +192,15 @@ def _miss_reason(n: fx.Node) -> str | None:
     if isinstance(v, fx.Node) and v.target == aten.mean.dim and not _scales_its_source(n, v.args[0]):
         return ("the inverse RMS of x is not multiplied into x (it scales another tensor: DeepSeek-V4's "
                 "hyper-connection mixes, say), so no normalized x is written to fuse away")
+    if isinstance(v, fx.Node) and v.target == aten.mean.dim and not _keepdim(v):
+        return ("the mean of x^2 is taken without keepdim and its dim put back later (unsqueeze, [..., None]), "
+                "but a value in between is also read elsewhere in the shape without the dim, so it cannot be "
+                "read as the keepdim form the fused kernel computes")
     return None
+
+
+def _keepdim(mean: fx.Node) -> bool:
+    return bool(mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False))
 
 
 _L2_REASON = ("an L2 norm (the root of the sum of squares) with no eps under the root (x / ||x||, "
@@ -241,8 +250,8 @@ def _uncast(n):
 
 
 def _scales_its_source(root: fx.Node, square: fx.Node) -> bool:
-    """Some product (or quotient, for a root) takes root (a cast or reciprocal of it) and the tensor whose
-    square was averaged (or a cast of it)."""
+    """Some product (or quotient, for a root) takes root (a cast, reciprocal or unsqueeze / reshape of it)
+    and the tensor whose square was averaged (or a cast of it)."""
     aten = torch.ops.aten
     squares = (aten.square.default, aten.pow.Tensor_Scalar)
     if not (isinstance(square, fx.Node) and (
@@ -252,7 +261,7 @@ def _scales_its_source(root: fx.Node, square: fx.Node) -> bool:
     roots, users = {root}, list(root.users)
     while users:
         u = users.pop()
-        if u.target in CASTS or u.target == aten.reciprocal.default:
+        if u.target in CASTS or u.target in (aten.reciprocal.default, aten.unsqueeze.default, *RESHAPES):
             roots.add(u)
             users += list(u.users)
         elif u.target == aten.mul.Tensor and any(_uncast(a) is src for a in u.args if a not in roots):

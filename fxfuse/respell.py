@@ -1,0 +1,187 @@
+"""Spellings unified by rewriting the ATen graph into another op of the same values (model graphs and
+pattern traces alike, like the rest of normalize.canonical_ops), where a canonical-view label cannot
+express them because a shape or an op between the nodes differs.
+
+A reduction without keepdim whose dim comes back later -> the same reduction with keepdim:
+
+    x * torch.rsqrt(x.pow(2).mean(-1) + eps).unsqueeze(-1)        # or [..., None], .view(B, T, 1)
+    x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)          # what it becomes
+
+``mean`` / ``sum`` over one dim k without keepdim ([..., D] -> [...]), then a chain of pointwise ops
+(``+ eps``, ``rsqrt``, ``sqrt``, ``1 / t``, casts), then ``unsqueeze(k)`` or a view / reshape to the
+keepdim shape: the reduction keeps dim k and the unsqueeze goes away. The values are the same
+(pointwise ops compute element by element whatever the shape), so the patterns, written with
+keepdim=True as HF writes them, match both spellings. Only where each node from the reduction to the
+unsqueeze has one user (the next), so no other reader sees a shape change, and every other tensor
+operand of a pointwise op is 0-dim (a broadcast against [...] would broadcast another way against
+[..., 1]).
+
+The negative log-likelihood of a log_softmax -> cross_entropy:
+
+    F.nll_loss(F.log_softmax(z, -1), t, ...)                         # fairseq, many training loops
+    F.nll_loss(F.log_softmax(z.float(), -1).transpose(1, 2), t)      # [B, T, V] -> class dim second
+    F.nll_loss(F.log_softmax(z, -1).view(-1, V), t.view(-1))         # [B, T, V] -> [B * T, V]
+    F.cross_entropy(z, t, ...)                                       # what it becomes
+
+ATen's cross_entropy_loss is that composition (log_softmax over the class dim, then nll_loss_nd,
+with the same weight / reduction / ignore_index arguments), so the values and gradients are eager's
+own. ``log_softmax(z, d, dtype=...)`` casts z first (an ``aten.to`` node). Only where the log_softmax
+(and the transpose) is read by the nll_loss alone, and the softmax dim is nll_loss's class dim
+(dim 1, or 0 for a 1-D input) once the transpose is applied; a view / reshape between them
+(``.view(-1, V)``) keeps the softmax's last dim and its size as nll_loss's class dim.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .canon_rules import CASTS
+from .shapes import RESHAPES
+
+aten = torch.ops.aten
+REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList}
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _reduced_dim(r: fx.Node) -> int | None:
+    """k when r reduces its input over the one dim k (normalised) without keepdim, else None."""
+    if r.op != "call_function" or r.target not in REDUCTIONS or len(r.args) < 2:
+        return None
+    keepdim = r.args[2] if len(r.args) > 2 else r.kwargs.get("keepdim", False)
+    x, dims = _val(r.args[0]), r.args[1]
+    if keepdim or not isinstance(x, torch.Tensor) or not isinstance(dims, (list, tuple)) or len(dims) != 1:
+        return None
+    return dims[0] % x.dim() if x.dim() else None
+
+
+def _carrier(n: fx.Node) -> fx.Node | None:
+    """The one tensor operand of a pointwise op (or cast) n that has n's shape, where every other tensor
+    operand is 0-dim (a cast's dtype reference aside); else None."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return None
+    out = _val(n)
+    if n.target in CASTS:
+        return n.args[0] if isinstance(n.args[0], fx.Node) else None
+    if torch.Tag.pointwise not in n.target.tags or not isinstance(out, torch.Tensor):
+        return None
+    tensors = [a for a in (*n.args, *n.kwargs.values()) if isinstance(_val(a), torch.Tensor)]
+    big = [a for a in tensors if _val(a).dim() > 0]
+    return big[0] if len(big) == 1 and _val(big[0]).dim() == out.dim() else None
+
+
+def _restores(u: fx.Node, k: int, x: torch.Tensor) -> bool:
+    """u re-inserts dim k of x's shape as size 1 into its input (the reduction's result, shape x
+    without dim k): ``unsqueeze(k)``, or a view / reshape to that keepdim shape."""
+    if u.op != "call_function":
+        return False
+    if u.target == aten.unsqueeze.default:
+        return u.args[1] % x.dim() == k
+    out = _val(u)
+    if u.target not in RESHAPES or not isinstance(out, torch.Tensor) or out.dim() != x.dim():
+        return False
+    want = [1 if i == k else s for i, s in enumerate(x.shape)]
+    return all(statically_known_true(a == b) for a, b in zip(out.shape, want))
+
+
+def _chain(u: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(reduction, pointwise nodes from it to u's input) when u restores the reduced dim, else None."""
+    chain, cur = [], u.args[0] if u.args else None
+    while isinstance(cur, fx.Node) and len(cur.users) == 1:
+        k = _reduced_dim(cur)
+        if k is not None:
+            return (cur, chain[::-1]) if _restores(u, k, _val(cur.args[0])) else None
+        nxt = _carrier(cur)
+        if nxt is None:
+            return None
+        chain.append(cur)
+        cur = nxt
+    return None
+
+
+def _recompute(n: fx.Node) -> None:
+    """n's fake value from its (changed) arguments'."""
+    vals = lambda a: _val(a) if isinstance(a, fx.Node) else a  # noqa: E731
+    args = [[vals(b) for b in a] if isinstance(a, (list, tuple)) else vals(a) for a in n.args]
+    with detect_fake_mode([_val(n)]) or contextlib.nullcontext():
+        n.meta["val"] = n.target(*args, **{k: vals(a) for k, a in n.kwargs.items()})
+    n.meta.pop("tensor_meta", None)
+
+
+def canonical_keepdim(graph: fx.Graph) -> None:
+    """The keepdim rewrite of the module doc, on every unsqueeze / reshape it applies to."""
+    for u in list(graph.nodes):
+        if u.op != "call_function" or u.target not in (aten.unsqueeze.default, *RESHAPES):
+            continue
+        found = _chain(u)
+        if found is None:
+            continue
+        r, chain = found
+        r.args = (r.args[0], r.args[1], True, *r.args[3:])
+        r.kwargs = {k: v for k, v in r.kwargs.items() if k != "keepdim"}
+        for n in (r, *chain):
+            _recompute(n)
+        u.replace_all_uses_with(chain[-1] if chain else r)
+        graph.erase_node(u)
+
+
+def _softmax_of(lp: fx.Node, class_dim: int) -> tuple[fx.Node, fx.Node | None] | None:
+    """(log_softmax node, layout node or None) when lp is log_softmax(z, d) over class_dim, or one
+    layout op of such a log_softmax that commutes with it: a transpose that moves d to class_dim, or a
+    view / reshape that keeps d as the last dim with its size when class_dim is the last dim
+    (``.view(-1, V)``); each read once."""
+    layout = None
+    if lp.op == "call_function" and len(lp.users) == 1 and lp.target in (aten.transpose.int, *RESHAPES):
+        layout, lp = lp, lp.args[0]
+    if not (isinstance(lp, fx.Node) and lp.op == "call_function" and lp.target == aten.log_softmax.int
+            and len(lp.users) == 1 and isinstance(_val(lp), torch.Tensor)):
+        return None
+    d = lp.args[1] % _val(lp).dim()
+    if layout is None:
+        return (lp, None) if d == class_dim else None
+    out = _val(layout)
+    if layout.target == aten.transpose.int:
+        a, b = (i % out.dim() for i in layout.args[1:3])
+        return (lp, layout) if {d, class_dim} == {a, b} or (d == class_dim and d not in (a, b)) else None
+    last = _val(lp).dim() - 1
+    keeps_last = class_dim == out.dim() - 1 and statically_known_true(out.shape[-1] == _val(lp).shape[-1])
+    return (lp, layout) if d == last and keeps_last else None
+
+
+def canonical_nll(graph: fx.Graph) -> None:
+    """The cross-entropy rewrite of the module doc, on every nll_loss of a log_softmax."""
+    for nll in list(graph.nodes):
+        if nll.op != "call_function" or nll.target != aten.nll_loss_nd.default:
+            continue
+        lp = nll.args[0]
+        rank = _val(lp).dim() if isinstance(_val(lp), torch.Tensor) else 0
+        found = _softmax_of(lp, 1 if rank > 1 else 0) if rank else None
+        if found is None:
+            continue
+        softmax, layout = found
+        with graph.inserting_before(nll):
+            z = softmax.args[0]
+            dtype = softmax.args[2] if len(softmax.args) > 2 else softmax.kwargs.get("dtype")
+            if dtype is not None:
+                z = _fresh(graph, aten.to.dtype, (z, dtype), softmax)
+            if layout is not None:  # the same transpose / reshape, before the softmax instead of after
+                z = _fresh(graph, layout.target, (z, *layout.args[1:]), layout, layout.kwargs)
+            ce = _fresh(graph, aten.cross_entropy_loss.default, (z, *nll.args[1:]), nll, nll.kwargs)
+        nll.replace_all_uses_with(ce)
+        for n in (nll, *([layout] if layout is not None else []), softmax):
+            graph.erase_node(n)
+
+
+def _fresh(graph: fx.Graph, target, args: tuple, like: fx.Node, kwargs: dict | None = None) -> fx.Node:
+    """A new node target(*args) with like's metadata (module path, stack trace) and its own value
+    (computed in like's fake mode)."""
+    n = graph.call_function(target, args, dict(kwargs or {}))
+    n.meta.update({k: v for k, v in like.meta.items() if k != "tensor_meta"})
+    _recompute(n)
+    return n
