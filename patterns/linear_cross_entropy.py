@@ -312,8 +312,35 @@ def _hidden(m) -> list:
             (f"grad of logits (backward):{str(dtype).removeprefix('torch.')}[{rows}, {vocab}]", bytes_of(grad))]
 
 
+def _from_linear(n, hops: int = 6) -> bool:
+    """n is computed from an aten.linear through a few ops on their first operand (casts, reshapes, a
+    scale or softcap): the logits of a loss head."""
+    for _ in range(hops):
+        if not isinstance(n, fx.Node) or n.op != "call_function" or not n.args:
+            return False
+        if n.target == aten.linear.default:
+            return True
+        n = n.args[0]
+    return False
+
+
+def _is_candidate(n: fx.Node) -> bool:
+    """A cross_entropy, or a log_softmax of a linear's output (a loss head spelled with gather, say)."""
+    return n.target == aten.cross_entropy_loss.default or (
+        n.target == aten.log_softmax.int and _from_linear(n.args[0]))
+
+
+_LOG_PROBS = ("a log_softmax of the lm_head's logits that no cross_entropy stands for (its log-probs read by "
+              "gather, an entropy or KL term, or taken over another dim than the vocabulary): the [N, V] "
+              "logits and log-probs are written; the fused head computes F.cross_entropy, or F.nll_loss of "
+              "log_softmax over the vocabulary, of the logits alone")
+
+
 def _miss_reason(ce: fx.Node) -> str | None:
-    """Logits that arrive as a graph input: the lm_head ran in another graph."""
+    """Log-probs of a head read another way; logits that arrive as a graph input (the lm_head ran in
+    another graph)."""
+    if ce.target == aten.log_softmax.int:
+        return _LOG_PROBS
     n = ce.args[0]
     while isinstance(n, fx.Node) and n.op == "call_function" and len(n.all_input_nodes) == 1:
         n = n.all_input_nodes[0]
@@ -361,6 +388,6 @@ PATTERN = Pattern(
     may_escape=lambda n, users: returned_only(users),  # a z-loss would lose its gradient
     hidden_saved=_hidden,
     free_literals={aten.cross_entropy_loss.default: {3: "reduction"}},
-    is_candidate=lambda n: n.target == aten.cross_entropy_loss.default,
+    is_candidate=_is_candidate,
     miss_reason=_miss_reason,
 )

@@ -1,0 +1,118 @@
+"""The loss head written as nll_loss of a log_softmax (respell.py): read as cross_entropy, so the fused
+head applies, with eager's loss and gradients; left as written where the log_softmax has another reader
+or is taken over another dim than the classes."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxfuse
+from helpers import compiled_parity, rel_err
+
+FP32_TOL = 1e-5
+V = 70
+
+
+class NllHead(torch.nn.Module):
+    """x [B, T, H] -> lm_head -> log_softmax -> nll_loss, in the spellings training loops use."""
+
+    def __init__(self, spelling, h=24, v=V):
+        super().__init__()
+        self.spelling = spelling
+        self.lin = torch.nn.Linear(h, v, bias=spelling == "bias_sum")
+
+    def forward(self, x, labels):
+        z = self.lin(x)
+        if self.spelling == "view":  # fairseq / classic loops: flatten the log-probs, then nll
+            return F.nll_loss(F.log_softmax(z.float(), dim=-1).view(-1, V), labels.view(-1))
+        if self.spelling == "softmax_dtype":  # log_softmax(..., dtype=torch.float32), ignore_index -1
+            return F.nll_loss(F.log_softmax(z.flatten(0, 1), -1, dtype=torch.float32), labels.flatten(),
+                              ignore_index=-1)
+        if self.spelling == "class_dim_second":  # [B, T, V] log-probs -> [B, V, T] for nll_loss
+            return F.nll_loss(torch.log_softmax(z, -1).transpose(1, 2), labels)
+        if self.spelling == "bias_sum":
+            return F.nll_loss(z.reshape(-1, V).log_softmax(-1), labels.reshape(-1), reduction="sum") / 9
+        raise ValueError(self.spelling)
+
+
+def _labels(ignore=-100):
+    labels = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(1))
+    labels[0, :2] = ignore
+    return labels
+
+
+@pytest.mark.parametrize("spelling,variant", [("view", "lce_hf"), ("softmax_dtype", "lce_hf"),
+                                              ("class_dim_second", "lce_class_dim_second"),
+                                              ("bias_sum", "lce_hf_bias")])
+def test_nll_of_log_softmax_fused_with_parity(spelling, variant):
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 24)
+    labels = _labels(-1 if spelling == "softmax_dtype" else -100)
+    loss_err, grad_err, report, names = compiled_parity(NllHead(spelling), {"x": x, "labels": labels},
+                                                        loss_fn=lambda out: out)
+    assert [s.variant for s in report.matched] == [variant], str(report)
+    assert not report.unmatched and not report.errors, str(report)
+    assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+    assert "lin.weight" in names
+
+
+def test_nll_head_bf16_within_twice_eagers_error():
+    """bf16 head, fp32 log_softmax (dtype=): loss and gradients within 2x eager bf16's error against the
+    fp32 computation on the same values."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(48, 32, generator=g), 0.5 * torch.randn(96, 32, generator=g)
+    t = torch.randint(0, 96, (48,), generator=g)
+    t[::7] = -100
+
+    def head(x, w, t):
+        return F.nll_loss(F.log_softmax(F.linear(x, w), -1, dtype=torch.float32), t)
+
+    def run(f, dtype):
+        leaves = [v.to(dtype).requires_grad_() for v in (x, w)]
+        loss = f(*leaves, t)
+        return [loss.float(), *(d.float() for d in torch.autograd.grad(loss, leaves))]
+
+    compiled = torch.compile(head, backend="fxfuse", options={"inner": "aot_eager"})
+    ref, eager, mine = run(head, torch.float32), run(head, torch.bfloat16), run(compiled, torch.bfloat16)
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1
+    for name, e, f, r in zip(("loss", "dx", "dw"), eager, mine, ref):
+        assert rel_err(f, r) <= 2 * rel_err(e, r), (name, rel_err(f, r), rel_err(e, r))
+
+
+def _log_probs_also_read(x, w, t):
+    """The log-probs feed an entropy bonus too: no cross_entropy can stand for the nll alone."""
+    lp = F.log_softmax(F.linear(x, w), -1)
+    return F.nll_loss(lp, t) + 0.1 * (lp.exp() * lp).sum(-1).mean()
+
+
+def _softmax_over_tokens(x, w, t):
+    """log_softmax over dim 1 of [B, T, V] (the tokens), then the transpose nll_loss wants: the classes
+    were never normalised, so this is no cross-entropy."""
+    return F.nll_loss(F.log_softmax(F.linear(x, w), 1).transpose(1, 2), t)
+
+
+@pytest.mark.parametrize("fn", [_log_probs_also_read, _softmax_over_tokens])
+def test_nll_that_is_no_cross_entropy_is_left_as_written(fn):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 16, generator=g)
+    w = torch.randn(V, 16, generator=g).requires_grad_()
+    t = torch.randint(0, V, (2, 6) if fn is _softmax_over_tokens else (12,), generator=g)
+    x = x if fn is _softmax_over_tokens else x.view(12, 16)
+    n0 = len(fxfuse.compiled_reports())
+    got = torch.compile(fn, backend="fxfuse", options={"inner": "aot_eager"})(x, w, t)
+    (report,) = fxfuse.compiled_reports()[n0:]
+    assert report.counts()["linear_cross_entropy"] == 0 and not report.errors, str(report)
+    assert rel_err(got, fn(x, w, t)) < FP32_TOL
+    (site,) = report.unmatched
+    assert site.reason.startswith("a log_softmax of the lm_head's logits that no cross_entropy"), site.reason
+
+
+def test_per_token_log_probs_by_gather_are_reported():
+    """RL losses' per-token log-probs (log_softmax, then gather of the taken tokens): no cross_entropy in
+    the graph, so before, the report said nothing about the head; now it names it and why."""
+    def token_log_probs(x, w, t):
+        return F.log_softmax(F.linear(x, w).float(), -1).gather(-1, t[:, None]).squeeze(-1)
+
+    report = fxfuse.explain(token_log_probs, torch.randn(12, 16), torch.randn(V, 16), torch.randint(0, V, (12,)))
+    assert report.counts()["linear_cross_entropy"] == 0
+    (site,) = report.unmatched
+    assert site.pattern == "linear_cross_entropy" and "gather" in site.reason, str(report)
