@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,21 +29,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 def build(spec: str, task: str):
     """(model, inputs) of the zoo's tiny config for spec: random weights, fp32, no dropout."""
-    import transformers
+    from fxfuse.zoo import builder
 
-    from fxfuse.zoo import TASKS, hf_config, hf_inputs, without_randomness
-    from fxfuse.zoo_vlm import VLMS
-
-    if spec in VLMS and task == "causal-lm":
-        cfg, inputs = VLMS[spec]()
-        auto = "AutoModelForImageTextToText"
-    else:
-        _, auto, extra = TASKS[task]
-        cfg = hf_config(spec, **extra)
-        inputs = hf_inputs(cfg.vocab_size)
-    torch.manual_seed(0)
-    model = getattr(transformers, auto).from_config(without_randomness(cfg))
-    return model, inputs
+    _, make, inputs = builder(spec, task)
+    return make(), inputs
 
 
 def scan_one(spec: str, task: str, device: str, dtype: str) -> dict:
@@ -83,18 +71,11 @@ def whose_error(spec: str, task: str, device: str, dtype: str) -> str:
 
 
 def run_one(spec: str, args) -> dict:
+    from fxfuse.sweep import json_of
+
     cmd = [sys.executable, __file__, "--one", spec, "--task", args.task, "--device", args.device,
            "--dtype", args.dtype]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout:.0f} s"}
-    last = done.stdout.strip().splitlines()[-1:] or [""]
-    try:
-        return json.loads(last[0])
-    except json.JSONDecodeError:
-        lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
-        return {"error": lines[-1].strip()[:300] if lines else f"exit {done.returncode}, no output"}
+    return json_of(cmd, args.timeout, '{"spec"')
 
 
 def line(spec: str, r: dict) -> str:
@@ -127,11 +108,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.one:
         try:
-            print(json.dumps(scan_one(args.one, args.task, args.device, args.dtype)))
+            print(json.dumps({"spec": args.one, **scan_one(args.one, args.task, args.device, args.dtype)}))
         except Exception as e:  # noqa: BLE001  reported with where it fails without fxfuse
             torch._dynamo.reset()
             who = whose_error(args.one, args.task, args.device, args.dtype)
-            print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", "fails_in": who}))
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            print(json.dumps({"spec": args.one, "error": error, "fails_in": who}))
         return 0
     models = args.models or default_models(args.task)
     print(f"autocast scan: {args.task}, {args.device}, {args.dtype}, torch {torch.__version__}, "

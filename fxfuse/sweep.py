@@ -24,16 +24,23 @@ def run_one(model_type: str, inner: str = "aot_eager", timeout: float = 600.0, t
     {"error": why} when it printed none (an exception: its last line; a timeout; a crash)."""
     cmd = [sys.executable, "-m", "fxfuse", "check", model_type, "--no-train", "--inner", inner, "--json",
            "--task", task]
+    return json_of(cmd, timeout, '{\n  "name"')  # the result (Result.to_dict, indented), after any other output
+
+
+def json_of(cmd: list[str], timeout: float, opening: str) -> dict:
+    """The JSON object cmd prints on stdout, from the last place its opening text appears (after any
+    other output), or {"error": why} when it printed none: its stderr's last line (an exception), a
+    timeout or a crash."""
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
-    start = done.stdout.rfind('{\n  "name"')  # the result (Result.to_dict, indented), after any other output
+    start = done.stdout.rfind(opening)
     try:
         return json.loads(done.stdout[start:] if start >= 0 else "")
     except json.JSONDecodeError:
         lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
-        return {"error": lines[-1].strip() if lines else f"exit {done.returncode}, no output"}
+        return {"error": lines[-1].strip()[:300] if lines else f"exit {done.returncode}, no output"}
 
 
 def status(result: dict) -> str:

@@ -197,42 +197,43 @@ def task_types(task: str) -> list[str]:
     return sorted(getattr(modeling_auto, TASKS[task][0]))
 
 
-def check_hf(spec: str, bf16_steps: int = 20, inner: str = "aot_eager", device: str = "cpu",
-             task: str = "causal-lm", **overrides) -> Result:
+def builder(spec: str, task: str = "causal-lm", **overrides):
+    """(name, build, inputs) of the zoo's model for spec: build() makes it from its tiny config with random
+    weights (seed 0), fp32, no dropout; for causal-lm a VLM of fxfuse.zoo_vlm comes with its image batch.
+    overrides set config fields (a VLM's top-level ones)."""
     import transformers
 
     from .zoo_vlm import VLMS
 
     if spec in VLMS and task == "causal-lm":
-        return check_vlm(spec, bf16_steps, inner, device, **overrides)
-    _, auto, extra = TASKS[task]
-    cfg = without_randomness(hf_config(spec, **{**extra, **overrides}))
+        cfg, inputs = VLMS[spec]()
+        for k, v in overrides.items():
+            setattr(cfg, k, v)
+        auto, name = "AutoModelForImageTextToText", spec
+    else:
+        _, auto, extra = TASKS[task]
+        cfg = hf_config(spec, **{**extra, **overrides})
+        inputs = hf_inputs(cfg.vocab_size)
+        name = spec if not spec.endswith(".json") else cfg.model_type
+    cfg = without_randomness(cfg)
 
     def build():
         torch.manual_seed(0)
         return getattr(transformers, auto).from_config(cfg)
 
-    name = spec if not spec.endswith(".json") else cfg.model_type
-    return check(name, build, hf_inputs(cfg.vocab_size), bf16_steps=bf16_steps, inner=inner, device=device)
+    return name, build, inputs
+
+
+def check_hf(spec: str, bf16_steps: int = 20, inner: str = "aot_eager", device: str = "cpu",
+             task: str = "causal-lm", **overrides) -> Result:
+    name, build, inputs = builder(spec, task, **overrides)
+    return check(name, build, inputs, bf16_steps=bf16_steps, inner=inner, device=device)
 
 
 def check_vlm(spec: str, bf16_steps: int = 20, inner: str = "aot_eager", device: str = "cpu", **overrides) -> Result:
     """A vision-language model of fxfuse.zoo_vlm trained on its batch with an image; overrides set
     fields of its top-level config."""
-    from transformers import AutoModelForImageTextToText
-
-    from .zoo_vlm import VLMS
-
-    cfg, inputs = VLMS[spec]()
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
-    cfg = without_randomness(cfg)
-
-    def build():
-        torch.manual_seed(0)
-        return AutoModelForImageTextToText.from_config(cfg)
-
-    return check(spec, build, inputs, bf16_steps=bf16_steps, inner=inner, device=device)
+    return check_hf(spec, bf16_steps, inner, device, "causal-lm", **overrides)
 
 
 def cell(r: Result, pattern: str) -> str:
