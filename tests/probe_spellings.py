@@ -63,15 +63,18 @@ def halves(x, how):
             "narrow": lambda: (x.narrow(-1, 0, d), x.narrow(-1, d, d))}[how]()
 
 
-def head_fn(layout, transform, bias, cast):
-    """F.linear -> transform -> layout -> cross_entropy, as hand-written code spells it, with the
-    .float() before the transform, after it, or none (also tests/test_linear_cross_entropy_graph.py)."""
+def head_fn(layout, transform, bias, cast, loss="cross_entropy"):
+    """F.linear -> transform -> layout -> cross_entropy (or nll_loss of log_softmax), as hand-written
+    code spells it, with the .float() before the transform, after it, or none (also
+    tests/test_linear_cross_entropy_graph.py)."""
     def fn(x, w, b, t):
         z = F.linear(x, w, b if bias else None)
         z = z.float() if cast == "before" else z
         z = {"none": z, "scale": z * 0.5, "divide": z / 2.0, "softcap": torch.tanh(z / 30.0) * 30.0}[transform]
         z = z.float() if cast == "after" else z
         z = z.view(-1, z.shape[-1]) if layout == "view" else z.flatten(0, 1) if layout == "flatten" else z
+        if loss == "nll":
+            return F.nll_loss(F.log_softmax(z, -1), t.view(-1))
         return F.cross_entropy(z, t.view(-1))
     return fn
 
@@ -136,13 +139,15 @@ def swiglu_cases():
 
 def linear_cross_entropy_cases():
     """Hidden-state layout x logit transform x bias x .float() after / before the transform, or none
-    (fp32: a no-op, so one case)."""
+    (fp32: a no-op, so one case) x cross_entropy / nll_loss of log_softmax."""
     for dt, cast in ((torch.float32, "after"), (torch.bfloat16, "after"), (torch.bfloat16, "before"),
                      (torch.bfloat16, "none")):
         for combo in itertools.product(("2d", "view", "flatten"), ("none", "scale", "divide", "softcap"), (False, True)):
-            x = torch.randn(*((16,) if combo[0] == "2d" else (2, 8)), 16, dtype=dt, requires_grad=True)
-            w, b = torch.randn(40, 16, dtype=dt, requires_grad=True), torch.randn(40, dtype=dt, requires_grad=True)
-            yield f"{str(dt)[6:]} cast={cast} " + " ".join(map(str, combo)), head_fn(*combo, cast), (x, w, b, torch.randint(0, 40, (16,)))
+            for loss in ("cross_entropy", "nll"):
+                x = torch.randn(*((16,) if combo[0] == "2d" else (2, 8)), 16, dtype=dt, requires_grad=True)
+                w, b = torch.randn(40, 16, dtype=dt, requires_grad=True), torch.randn(40, dtype=dt, requires_grad=True)
+                yield (f"{str(dt)[6:]} cast={cast} {loss} " + " ".join(map(str, combo)), head_fn(*combo, cast, loss),
+                       (x, w, b, torch.randint(0, 40, (16,))))
 
 
 CASES = {"rms_norm": rms_norm_cases, "rope": rope_cases, "swiglu": swiglu_cases,

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import fxfuse
 from helpers import compiled_parity, rel_err
+from probe_spellings import head_fn
 
 FP32_TOL = 1e-5
 V = 70
@@ -116,3 +117,16 @@ def test_per_token_log_probs_by_gather_are_reported():
     assert report.counts()["linear_cross_entropy"] == 0
     (site,) = report.unmatched
     assert site.pattern == "linear_cross_entropy" and "gather" in site.reason, str(report)
+
+
+@pytest.mark.parametrize("layout", ["2d", "view", "flatten"])
+@pytest.mark.parametrize("transform", ["none", "scale", "divide", "softcap"])
+def test_nll_of_log_softmax_fuses_with_every_head_option(layout, transform):
+    """The same heads with F.nll_loss(F.log_softmax(z, -1), t) in place of F.cross_entropy (bf16, a
+    bias, .float() after the transform): one fused site each, nothing unmatched."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*((16,) if layout == "2d" else (2, 8)), 16, generator=g).bfloat16().requires_grad_()
+    w, b = (torch.randn(*s, generator=g).bfloat16().requires_grad_() for s in ((40, 16), (40,)))
+    t = torch.randint(0, 40, (16,), generator=g)
+    report = fxfuse.explain(head_fn(layout, transform, True, "after", loss="nll"), x, w, b, t)
+    assert report.counts()["linear_cross_entropy"] == 1 and not report.unmatched, str(report)
