@@ -94,7 +94,7 @@ def is_gated_mlp(m: nn.Module) -> bool:
     JetMoE's MoE (input_linear to both halves, its activation; its attention experts have no activation);
     a gated RMSNorm with a SiLU gate (silu(gate) * normed x; Kimi Linear's sigmoid gate is no site);
     xLSTM's proj_up_gate / proj_up; ModernBERT's Wi packing both halves (twice Wo's input width), Aya
-    Vision's projector linear_1 likewise;
+    Vision's projector linear_1 and Moshi's fc1 likewise;
     a Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba: its scan output times silu(gate); Zamba's per-head
     x_proj_weight / dt_proj_weight parameters), a Griffin recurrent block (RecurrentGemma: gelu(linear_y(x))
     times its recurrence's output), and a Mamba-2 one
@@ -118,12 +118,13 @@ def _ungated_norm_mixer(m: nn.Module) -> bool:
 
 
 def _packed_in_out(m: nn.Module) -> bool:
-    """Linear children Wi and Wo (any case; ModernBERT), or linear_1 and linear_2 (Aya Vision's projector),
-    with the first twice as wide as the second's input: gate and up in one (LLaVA's linear_1, as wide
-    as linear_2's input, is no gated MLP)."""
+    """Linear children Wi and Wo (any case; ModernBERT), linear_1 and linear_2 (Aya Vision's projector), or
+    fc1 and fc2 (Moshi's gating MLP), with the first twice as wide as the second's input: gate and up in
+    one (LLaVA's linear_1 or GPT-2-style fc1, as wide as the second's input, is no gated MLP)."""
     kids = {n.lower(): c for n, c in m.named_children()}
+    pairs = (("wi", "wo"), ("linear_1", "linear_2"), ("fc1", "fc2"))
     return any(isinstance(a, nn.Linear) and isinstance(b, nn.Linear) and a.out_features == 2 * b.in_features
-               for a, b in ((kids.get("wi"), kids.get("wo")), (kids.get("linear_1"), kids.get("linear_2"))))
+               for a, b in ((kids.get(x), kids.get(y)) for x, y in pairs))
 
 
 def is_attention(m: nn.Module) -> bool:

@@ -192,11 +192,11 @@ def test_an_rms_norm_class_returning_the_inverse_rms_is_no_site():
     assert expected_sites(TwoNorms(), {"x": torch.randn(2, 8)}, False)["rms_norm"] == 1
 
 
-@pytest.mark.parametrize("names", [("Wi", "Wo"), ("linear_1", "linear_2")])
+@pytest.mark.parametrize("names", [("Wi", "Wo"), ("linear_1", "linear_2"), ("fc1", "fc2")])
 @pytest.mark.parametrize("packed", [True, False])
 def test_packed_in_out_is_a_gated_mlp_only_when_the_first_holds_both_halves(packed, names):
-    """ModernBERT's Wi and Aya Vision's projector linear_1 pack gate and up (twice the second's
-    input); T5's wi / wo and LLaVA's projector are plain MLPs."""
+    """ModernBERT's Wi, Aya Vision's projector linear_1 and Moshi's fc1 pack gate and up (twice the
+    second's input); T5's wi / wo, LLaVA's projector and GPT-2-style fc1 / fc2 are plain MLPs."""
     mlp = _module("Mlp")
     setattr(mlp, names[0], nn.Linear(8, 32 if packed else 16))
     setattr(mlp, names[1], nn.Linear(16, 8))
