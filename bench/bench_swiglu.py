@@ -214,7 +214,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--up-dtype", default=None, choices=("bfloat16", "float16", "float32"),
                         help="up in this dtype (default --dtype): a mixed pair as under autocast, out promoted")
     parser.add_argument("--fp32-act", action="store_true",
-                        help="act(gate) in fp32, so out is fp32 (T5's gelu_new under CUDA autocast): fxfuse's out_dtype")
+                        help="act(gate) in fp32, so out is fp32 (T5's gelu_new, CUDA autocast): fxfuse's out_dtype")
     parser.add_argument("--chunked", action="store_true", help="gate, up = gate_up.chunk(2, -1) of one [M, 2I] tensor")
     parser.add_argument("--interleaved", action="store_true",
                         help="gate, up = gate_up[..., ::2], gate_up[..., 1::2] (clamped_swiglu's layout, always)")
