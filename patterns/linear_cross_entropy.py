@@ -330,10 +330,10 @@ def _is_candidate(n: fx.Node) -> bool:
         n.target == aten.log_softmax.int and _from_linear(n.args[0]))
 
 
-_LOG_PROBS = ("a log_softmax of the lm_head's logits that no cross_entropy stands for (its log-probs read by "
-              "gather, an entropy or KL term, or taken over another dim than the vocabulary): the [N, V] "
+_LOG_PROBS = ("a log_softmax of a linear layer's logits that no cross_entropy stands for (its log-probs read by "
+              "gather, an entropy or KL term, or taken over another dim than the classes): the [N, V] "
               "logits and log-probs are written; the fused head computes F.cross_entropy, or F.nll_loss of "
-              "log_softmax over the vocabulary, of the logits alone")
+              "log_softmax over the classes, of the logits alone")
 
 
 def _miss_reason(ce: fx.Node) -> str | None:
