@@ -170,8 +170,11 @@ def canonical_nll(graph: fx.Graph) -> None:
             dtype = softmax.args[2] if len(softmax.args) > 2 else softmax.kwargs.get("dtype")
             if dtype is not None:
                 z = _fresh(graph, aten.to.dtype, (z, dtype), softmax)
-            if layout is not None:  # the same transpose / reshape, before the softmax instead of after
-                z = _fresh(graph, layout.target, (z, *layout.args[1:]), layout, layout.kwargs)
+            if layout is not None:  # the same transpose / reshape, before the softmax instead of after; a
+                # view becomes a reshape: z may have strides no view of it can take where the softmax's
+                # fresh output had
+                target = layout.target if layout.target == aten.transpose.int else aten.reshape.default
+                z = _fresh(graph, target, (z, *layout.args[1:]), layout)
             ce = _fresh(graph, aten.cross_entropy_loss.default, (z, *nll.args[1:]), nll, nll.kwargs)
         nll.replace_all_uses_with(ce)
         for n in (nll, *([layout] if layout is not None else []), softmax):

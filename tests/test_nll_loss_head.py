@@ -130,3 +130,20 @@ def test_nll_of_log_softmax_fuses_with_every_head_option(layout, transform):
     t = torch.randint(0, 40, (16,), generator=g)
     report = fxfuse.explain(head_fn(layout, transform, True, "after", loss="nll"), x, w, b, t)
     assert report.counts()["linear_cross_entropy"] == 1 and not report.unmatched, str(report)
+
+
+def test_view_of_log_probs_of_a_transposed_head():
+    """z = lm_head(x).transpose(0, 1) has strides no .view(-1, V) can take; the log_softmax's fresh output
+    has. Moved before the softmax the view becomes a reshape, so the graph still compiles, with eager's
+    value (the transposed head itself is no fused spelling)."""
+    w = torch.randn(V, 16, requires_grad=True)
+
+    def head(x, t):
+        return F.nll_loss(F.log_softmax(F.linear(x, w).transpose(0, 1), -1).view(-1, V), t.reshape(-1))
+
+    x, t = torch.randn(2, 8, 16), torch.randint(0, V, (8, 2))
+    n0 = len(fxfuse.compiled_reports())
+    got = torch.compile(head, backend="fxfuse", options={"inner": "aot_eager"})(x, t)
+    (report,) = fxfuse.compiled_reports()[n0:]
+    assert not report.errors, report.errors
+    assert rel_err(got, head(x, t)) < FP32_TOL
