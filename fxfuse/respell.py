@@ -39,15 +39,11 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .canon_rules import CASTS
+from .canon_rules import CASTS, val
 from .shapes import RESHAPES
 
 aten = torch.ops.aten
 REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList}
-
-
-def _val(n):
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
 def _reduced_dim(r: fx.Node) -> int | None:
@@ -55,7 +51,7 @@ def _reduced_dim(r: fx.Node) -> int | None:
     if r.op != "call_function" or r.target not in REDUCTIONS or len(r.args) < 2:
         return None
     keepdim = r.args[2] if len(r.args) > 2 else r.kwargs.get("keepdim", False)
-    x, dims = _val(r.args[0]), r.args[1]
+    x, dims = val(r.args[0]), r.args[1]
     if keepdim or not isinstance(x, torch.Tensor) or not isinstance(dims, (list, tuple)) or len(dims) != 1:
         return None
     return dims[0] % x.dim() if x.dim() else None
@@ -66,14 +62,14 @@ def _carrier(n: fx.Node) -> fx.Node | None:
     operand is 0-dim (a cast's dtype reference aside); else None."""
     if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
         return None
-    out = _val(n)
+    out = val(n)
     if n.target in CASTS:
         return n.args[0] if isinstance(n.args[0], fx.Node) else None
     if torch.Tag.pointwise not in n.target.tags or not isinstance(out, torch.Tensor):
         return None
-    tensors = [a for a in (*n.args, *n.kwargs.values()) if isinstance(_val(a), torch.Tensor)]
-    big = [a for a in tensors if _val(a).dim() > 0]
-    return big[0] if len(big) == 1 and _val(big[0]).dim() == out.dim() else None
+    tensors = [a for a in (*n.args, *n.kwargs.values()) if isinstance(val(a), torch.Tensor)]
+    big = [a for a in tensors if val(a).dim() > 0]
+    return big[0] if len(big) == 1 and val(big[0]).dim() == out.dim() else None
 
 
 def _restores(u: fx.Node, k: int, x: torch.Tensor) -> bool:
@@ -83,7 +79,7 @@ def _restores(u: fx.Node, k: int, x: torch.Tensor) -> bool:
         return False
     if u.target == aten.unsqueeze.default:
         return u.args[1] % x.dim() == k
-    out = _val(u)
+    out = val(u)
     if u.target not in RESHAPES or not isinstance(out, torch.Tensor) or out.dim() != x.dim():
         return False
     want = [1 if i == k else s for i, s in enumerate(x.shape)]
@@ -96,7 +92,7 @@ def _chain(u: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     while isinstance(cur, fx.Node) and len(cur.users) == 1:
         k = _reduced_dim(cur)
         if k is not None:
-            return (cur, chain[::-1]) if _restores(u, k, _val(cur.args[0])) else None
+            return (cur, chain[::-1]) if _restores(u, k, val(cur.args[0])) else None
         nxt = _carrier(cur)
         if nxt is None:
             return None
@@ -107,9 +103,9 @@ def _chain(u: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
 
 def _recompute(n: fx.Node) -> None:
     """n's fake value from its (changed) arguments'."""
-    vals = lambda a: _val(a) if isinstance(a, fx.Node) else a  # noqa: E731
+    vals = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731  (SymInt sizes too)
     args = [[vals(b) for b in a] if isinstance(a, (list, tuple)) else vals(a) for a in n.args]
-    with detect_fake_mode([_val(n)]) or contextlib.nullcontext():
+    with detect_fake_mode([val(n)]) or contextlib.nullcontext():
         n.meta["val"] = n.target(*args, **{k: vals(a) for k, a in n.kwargs.items()})
     n.meta.pop("tensor_meta", None)
 
@@ -140,17 +136,17 @@ def _softmax_of(lp: fx.Node, class_dim: int) -> tuple[fx.Node, fx.Node | None] |
     if lp.op == "call_function" and len(lp.users) == 1 and lp.target in (aten.transpose.int, *RESHAPES):
         layout, lp = lp, lp.args[0]
     if not (isinstance(lp, fx.Node) and lp.op == "call_function" and lp.target == aten.log_softmax.int
-            and len(lp.users) == 1 and isinstance(_val(lp), torch.Tensor)):
+            and len(lp.users) == 1 and isinstance(val(lp), torch.Tensor)):
         return None
-    d = lp.args[1] % _val(lp).dim()
+    d = lp.args[1] % val(lp).dim()
     if layout is None:
         return (lp, None) if d == class_dim else None
-    out = _val(layout)
+    out = val(layout)
     if layout.target == aten.transpose.int:
         a, b = (i % out.dim() for i in layout.args[1:3])
         return (lp, layout) if {d, class_dim} == {a, b} or (d == class_dim and d not in (a, b)) else None
-    last = _val(lp).dim() - 1
-    keeps_last = class_dim == out.dim() - 1 and statically_known_true(out.shape[-1] == _val(lp).shape[-1])
+    last = val(lp).dim() - 1
+    keeps_last = class_dim == out.dim() - 1 and statically_known_true(out.shape[-1] == val(lp).shape[-1])
     return (lp, layout) if d == last and keeps_last else None
 
 
@@ -160,7 +156,7 @@ def canonical_nll(graph: fx.Graph) -> None:
         if nll.op != "call_function" or nll.target != aten.nll_loss_nd.default:
             continue
         lp = nll.args[0]
-        rank = _val(lp).dim() if isinstance(_val(lp), torch.Tensor) else 0
+        rank = val(lp).dim() if isinstance(val(lp), torch.Tensor) else 0
         found = _softmax_of(lp, 1 if rank > 1 else 0) if rank else None
         if found is None:
             continue
