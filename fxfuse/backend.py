@@ -21,7 +21,7 @@ from .dump import dump_report
 from .layout import relax_views
 from .normalize import to_aten
 from .options import Options
-from .outside import counted, warn_eager_frames
+from .outside import counted, ending_break, warn_eager_frames
 from .report import Report
 from .rewrite import rewrite
 from .skipped import wrap_outputs
@@ -72,8 +72,10 @@ def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.Gra
         if _dynamo_control_flow(e):
             raise
         log.warning("fxfuse: graph left unfused: %s: %s", type(e).__name__, e)
-        report = Report(graphs=1, errors=[f"graph left unfused: {type(e).__name__}: {e}"])
+        report = Report(graphs=1, errors=[f"graph left unfused: {type(e).__name__}: {e}"],
+                        graph_breaks=ending_break(gm))
         return gm, report
+    report.graph_breaks = ending_break(gm)
     if opts.debug_dir:
         dump_report(opts.debug_dir, f"graph{next(_graph_ids)}", report, before, aten_gm)
     return aten_gm, report

@@ -6,6 +6,7 @@ resume from, a checkpointed layer whose forward has a side effect, a frame skipp
 loop) runs eagerly and unfused, and leaves no graph behind: without this census such sites are
 simply missing from the report, neither matched nor unmatched.
 
+Each graph's report names the break that ended it (``ending_break``: reason and place).
 ``Census(model)`` around the compiled call:
   - diffs Dynamo's graph-break counters (``torch._dynamo.utils.counters``: "graph_break" and
     "unimplemented") into one line per distinct reason (headline, Dynamo's debug context, its hint);
@@ -29,6 +30,7 @@ frame or a checkpointed layer eagerly.
 from __future__ import annotations
 
 import inspect
+import linecache
 import logging
 import os
 import re
@@ -71,6 +73,38 @@ def break_line(key: str) -> str:
     followed while handling the first, such as a frame skipped for a break in a loop) its headline,
     Dynamo's debug context and hint, without the explanation or the docs link."""
     return "; then: ".join(filter(None, map(_one_break, key.split("*** While handling this graph break"))))
+
+
+def ending_break(gm) -> list[str]:
+    """The graph break that ended Dynamo's graph gm (its ``compile_subgraph_reason``) as one line:
+    Dynamo's reason (break_line), then ``; at file:line in function `source```. [] where the graph
+    ended at a return, or gm did not come from Dynamo. A break Dynamo could not resume from inside a
+    called function (transformers' ``loss_function`` property logging a warning) leaves no graph-break
+    counter (newer torch) and the reason "step_unsupported"; its place is still known here."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return []
+    why = ("Dynamo kept no reason for this break (one inside a function called here; "
+           "TORCH_LOGS=graph_breaks prints it)" if reason.reason == "step_unsupported" else break_line(reason.reason))
+    stack = getattr(reason, "user_stack", None) or []
+    if not stack:
+        return [why]
+    frame = stack[-1]
+    code = linecache.getline(frame.filename, frame.lineno).strip()
+    where = f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
+    return [f"{why}; at {where}" + (f" `{code}`" if code else "")]
+
+
+def _hf_loss_type_hint(model, line: str) -> str:
+    """line, with the fix where it is transformers' ``loss_function`` breaking the graph: it logs a
+    warning on every call while ``model.loss_type`` is None (a class named after no known loss, such
+    as GPT2LMHeadModel or BertLMHeadModel), and Dynamo cannot trace the logging call."""
+    cls_attr = getattr(type(model), "loss_function", None) if model is not None else None
+    if not (isinstance(cls_attr, property) and "loss_type" in vars(model) and model.loss_type is None
+            and "_loss_function" not in vars(model) and "loss_function" in line):
+        return line
+    return (line + '; transformers logs a warning there while model.loss_type is None: model.loss_type = '
+            '"ForCausalLM" (the loss it falls back to) removes the break')
 
 
 def _distinct(keys) -> list[str]:
@@ -176,7 +210,10 @@ class Census:
         for graph, runs in self.ran.values():
             for p, n in graph.counts().items():
                 report.calls[p] += n * runs
-        report.graph_breaks += _distinct(self._after - self._before)
+        # the graphs' own breaks (ending_break) carry the place; a counter of the same reason adds nothing
+        report.graph_breaks += [b for b in _distinct(self._after - self._before)
+                                if not any(o.startswith(b + "; at ") for o in report.graph_breaks)]
+        report.graph_breaks = [_hf_loss_type_hint(self.model, b) for b in report.graph_breaks]
         # an eager module's eager submodules fold into it, but not into the root: a skipped top-level
         # forward (a graph break in its layer loop) runs its layers as compiled frames of their own
         names = {n for n, _ in self.eager} - {""}

@@ -44,8 +44,9 @@ class Report:
     attention: list[Site] = field(default_factory=list)
     # higher-order op calls kept as written through the re-trace (fxfuse/opaque.py), and where
     opaque: list[str] = field(default_factory=list)
-    # fxfuse.explain only (fxfuse/outside.py): Dynamo's graph breaks during the call, one line per
-    # reason, and the outermost module calls that ran eagerly, outside every compiled graph
+    # Dynamo's graph breaks, one line per reason: each graph's report the break that ended it (reason,
+    # file:line); fxfuse.explain (fxfuse/outside.py) adds the others seen during the call, and the
+    # outermost module calls that ran eagerly, outside every compiled graph
     graph_breaks: list[str] = field(default_factory=list)
     outside: list[str] = field(default_factory=list)
     # fxfuse.explain / the harness only: fused calls per pattern that ran during the call, each

@@ -145,7 +145,7 @@ HF_ZOO: dict[str, dict] = {
 # (architecture, pattern) -> why the site is not fused; the harness records these as gaps
 KNOWN_GAPS: dict[tuple[str, str], str] = {
     # transformers logs a warning (loss_type=None) between lm_head and loss: a graph break;
-    # config.loss_type = "ForCausalLM" avoids it
+    # model.loss_type = "ForCausalLM" (the model's attribute, not the config's) avoids it
     ("gpt2", "linear_cross_entropy"): "graph break",
 }
 

@@ -346,7 +346,7 @@ def _miss_reason(ce: fx.Node) -> str | None:
         n = n.all_input_nodes[0]
     if isinstance(n, fx.Node) and n.op == "placeholder":
         return ("the logits are an input of this graph: the lm_head ran in another graph (a graph break "
-                "between them, see TORCH_LOGS=graph_breaks), so the head cannot be fused")
+                "between them: the report's graph breaks say where and why), so the head cannot be fused")
     return None
 
 

@@ -247,3 +247,77 @@ def _transformers_below(version: str) -> bool:
     from packaging.version import Version
 
     return Version(transformers.__version__) < Version(version)
+
+
+_LOSS_LOG = logging.getLogger("tests.loss_fn")
+
+
+class LoggedLossTitan(TitanLM):
+    """The loss comes through a property that logs, as transformers' ``loss_function`` does while
+    ``loss_type`` is None: Dynamo cannot trace the logging call, a break between head and loss."""
+
+    @property
+    def loss_fn(self):
+        _LOSS_LOG.debug("loss_fn looked up")
+        return _flat_cross_entropy
+
+    def forward(self, input_ids, labels=None):
+        logits = super().forward(input_ids)
+        return self.loss_fn(logits, labels)
+
+
+def _flat_cross_entropy(logits, labels):
+    """A Python function (as transformers' ForCausalLMLoss): Dynamo compiles it as a frame of its own
+    after the break, so the cross-entropy is in a graph whose logits are an input."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def test_each_graph_report_names_the_break_that_ended_it():
+    torch._dynamo.reset()
+    n0 = len(fxfuse.compiled_reports())
+    torch.compile(_titan(DisabledNormTitan), backend="fxfuse", options={"inner": "aot_eager"})(**batch())
+    first, *rest = fxfuse.compiled_reports()[n0:]
+    assert len(first.graph_breaks) == 1 and all(r.graph_breaks == [] for r in rest), fxfuse.compiled_reports()[n0:]
+    line = first.graph_breaks[0]
+    at = f"; at test_outside.py:{_line_of('_eager_norm(self.norm, x)')} in forward"
+    assert "disable" in line.lower() and at in line
+    assert line.endswith("`logits = self.output(_eager_norm(self.norm, x))`")
+    # explain's census sees the same break in Dynamo's counters: one line, the graph's (with its place)
+    report = fxfuse.explain(_titan(DisabledNormTitan), **batch())
+    assert [b for b in report.graph_breaks if "disable" in b.lower()] == [line]
+
+
+def test_a_break_between_head_and_loss_is_placed_and_the_head_says_so():
+    report = fxfuse.explain(_titan(LoggedLossTitan), **batch())
+    assert report.counts() == FULL | {"linear_cross_entropy": 0}
+    [head] = [s for s in report.unmatched if s.pattern == "linear_cross_entropy"]
+    assert "the report's graph breaks say where and why" in head.reason
+    placed = [b for b in report.graph_breaks if f"; at test_outside.py:{_line_of('return self.loss_fn(')}" in b]
+    assert len(placed) == 1, report.graph_breaks
+    assert placed[0].endswith("`return self.loss_fn(logits, labels)`")
+    assert not any("loss_type" in b for b in report.graph_breaks)  # not a transformers model: no such hint
+
+
+def test_hf_gpt2_break_names_its_fix_and_the_fix_fuses_with_parity():
+    model = hf_model("gpt2")
+    assert model.loss_type is None  # GPT2LMHeadModel: a class name with no known loss
+    report = fxfuse.explain(model, **batch())
+    assert report.counts()["linear_cross_entropy"] == 0
+    hinted = [b for b in report.graph_breaks if 'model.loss_type = "ForCausalLM"' in b]
+    assert len(hinted) == 1, report.graph_breaks
+    assert "; at modeling_gpt2.py:" in hinted[0] and "self.loss_function(" in hinted[0]
+
+    def fixed():
+        m = hf_model("gpt2")
+        m.loss_type = "ForCausalLM"
+        return m
+
+    result = check("gpt2-loss-type", fixed, batch(), bf16_steps=0)
+    assert result.matched["linear_cross_entropy"] == 1 and not result.gaps and result.parity_ok, result
+    assert "graph_breaks" not in result.reasons
+
+
+def _line_of(text: str) -> int:
+    """Line number of the first line of this file holding text."""
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if text in line and "_line_of" not in line)
