@@ -91,6 +91,14 @@ def _reduce_like_eager(rows: torch.Tensor, target: torch.Tensor, ignore_index: i
                                         ignore_index=ignore_index, reduction=reduction)
 
 
+def _bad_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> torch.Tensor:
+    """[N] bool: targets neither ignore_index nor a class in [0, vocab). Eager's cross_entropy raises on
+    them (an index error on the CPU, a device assert on CUDA); a check here would need a host sync, so
+    the ops make such rows' losses and the gradients nan instead of a silently wrong loss (the kernels
+    clamp the target they read, which keeps their loads in bounds)."""
+    return (target != ignore_index) & ((target < 0) | (target >= vocab))
+
+
 def linear_cross_entropy_eager(x, weight, bias, target, ignore_index=-100, reduction="mean",
                                label_smoothing=0.0, softcap=0.0, logit_scale=1.0, fp32_transform=False):
     """The unfused definition (materialises [N, V]): what the matcher replaces. fp32_transform: the

@@ -18,7 +18,8 @@ the grad of z before the softcap; summed in fp32 in the kernels (lean: per chunk
 the chunk's terms; fast: _lce_fast_cols_kernel), never through a [V, H] weight * vs.
 This is F.cross_entropy(float32(z), target, ignore_index, reduction, label_smoothing) exactly,
 including an all-ignored batch: "mean" gives nan (0 / 0, as PyTorch), "sum" gives 0, and every
-gradient is 0. Targets outside [0, V) other than ignore_index are not checked (no host syncs).
+gradient is 0. A target outside [0, V) other than ignore_index, where eager raises, makes its row's
+loss nan and the gradients nan (a check that raises would need a host sync).
 
 Backward, with w_n = dloss/drow_n (grad / count or grad; 0 on ignored rows):
     dz_n  = w_n * (softmax(z_n) - (1 - eps) * onehot(t) - eps / V)          [V]
@@ -68,8 +69,8 @@ from . import linear_cross_entropy_fast  # noqa: F401  registers the fast op (al
 from ._dispatch import use_triton
 from ._lce_chunks import (_addmm_f32_, _block, _cols_per_chunk, _cols_per_group, _num_warps, _raw_logits,
                           _rows_per_pass, _rows_per_program, _view)
-from ._lce_logits import (_dlogits, _dlogits_reference, _dlogits_vscaled, _dlogits_vscaled_reference, _logits,
-                          _logits_reference, _reduce_like_eager, _vocab_scale,
+from ._lce_logits import (_bad_targets, _dlogits, _dlogits_reference, _dlogits_vscaled, _dlogits_vscaled_reference,
+                          _logits, _logits_reference, _reduce_like_eager, _vocab_scale,
                           linear_cross_entropy_eager)  # noqa: F401  the unfused definition (tests, bench)
 from ._round import rne_by_bits, round_code
 
@@ -227,6 +228,7 @@ def linear_cross_entropy_fwd(
     eps = label_smoothing
     loss = (1.0 - eps) * (lse - state[2]) + eps * (lse - state[3] / vocab)
     loss = torch.where(target == ignore_index, 0.0, loss)
+    loss = loss.masked_fill(_bad_targets(target, ignore_index, vocab), float("nan"))
     return loss, lse
 
 
@@ -248,9 +250,9 @@ def linear_cross_entropy_bwd(
     x, weight, target = x.contiguous(), weight.contiguous(), target.contiguous()
     vs = _vocab_scale(vocab_scale, weight, eager_rounding)
     need_ds = need_ds and vs is not None
-    drow = drow.contiguous().float()
     n, h = x.shape
     vocab = weight.shape[0]
+    drow = drow.contiguous().float().masked_fill(_bad_targets(target, ignore_index, vocab), float("nan"))
     on_triton = x.is_cuda or use_triton(x)
     low = x.dtype if eager_rounding else None
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)

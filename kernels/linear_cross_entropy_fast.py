@@ -9,7 +9,8 @@ upstream gradient of 1 (an empty tensor each where not needed). fxfuse::linear_c
 picks this op when a gradient is needed (algorithm "fast"); an eval / no_grad forward takes the
 lean lse-only forward instead and never forms a gradient. Math as in kernels/linear_cross_entropy.py with
     w_n = 1 ("sum") or 1 / count ("mean"), 0 on ignored rows, count = sum(target != ignore_index),
-count computed on the device (no host sync: an all-ignored "mean" batch gives w = inf on no row).
+count computed on the device (no host sync: an all-ignored "mean" batch gives w = inf on no row); a
+target outside [0, V) other than ignore_index makes w nan (every gradient nan) and its row loss nan.
 
 Forward, per pass of R tokens (rows n0:n0+R):
     zb = x_pass @ W.T (+ b)   [R, V] in the input dtype (matmul 1; eager rounds its logits likewise)
@@ -48,8 +49,8 @@ from . import _lce_chunks as _chunks
 from ._dispatch import no_double_backward, num_sms, use_triton
 from ._round import rne_by_bits, round_code
 from ._lce_chunks import _block, _num_warps, _rows_per_program, _view
-from ._lce_logits import (_dlogits, _dlogits_reference, _dlogits_vscaled, _dlogits_vscaled_reference, _logits,
-                          _logits_reference, _reduce_like_eager, _vocab_scale)
+from ._lce_logits import (_bad_targets, _dlogits, _dlogits_reference, _dlogits_vscaled, _dlogits_vscaled_reference,
+                          _logits, _logits_reference, _reduce_like_eager, _vocab_scale)
 
 _FAST_BLOCK_BYTES = 64 << 20
 _FAST_MAX_PASSES = 8
@@ -253,6 +254,8 @@ def linear_cross_entropy_fast(
         w = (1.0 / count.float()).reshape(1)
     else:
         w = torch.ones(1, device=x.device, dtype=torch.float32)
+    bad = _bad_targets(target, ignore_index, vocab)  # nan row losses, and every gradient nan (no host sync)
+    w = w.masked_fill(bad.any(), float("nan"))
     dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)
     dw = (weight.new_zeros if n == 0 else weight.new_empty)(weight.shape) if need_dw else weight.new_empty(0)
     db = torch.zeros(vocab, device=x.device, dtype=torch.float32) if need_db else None
@@ -277,7 +280,7 @@ def linear_cross_entropy_fast(
             dw.addmm_(z.T, xs)
         if need_db:
             db += z.sum(0, dtype=torch.float32)
-    loss = _reduce_like_eager(loss_rows, target, ignore_index, reduction)
+    loss = _reduce_like_eager(loss_rows.masked_fill_(bad, float("nan")), target, ignore_index, reduction)
     ds = ds if ds is not None else x.new_empty(0)
     return loss, dx, dw, db.to(bias.dtype) if need_db else x.new_empty(0), ds
 

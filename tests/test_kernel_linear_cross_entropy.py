@@ -132,6 +132,46 @@ def test_reduction_none_rows_and_their_gradients(algo, ls, cap):
         assert rel(g, e) < 1e-5, name
 
 
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("red", ["mean", "sum", "none"])
+@pytest.mark.parametrize("bad", [211, 5000, -1, -7])
+def test_out_of_range_target_gives_nan_not_a_wrong_loss(algo, red, bad):
+    """A target outside [0, V) that is not ignore_index: eager raises; the ops cannot without a host
+    sync, and their kernels clamp it to a class, which alone would give a finite, wrong loss. The
+    loss and every gradient are nan instead; under "none" the other rows stay exact."""
+    x, w, b, t = inputs(37, 24, 211, torch.float32, True)
+    t[5] = bad
+    args = (-100, red, 0.1, 0.0, 1.0)
+    with pytest.raises((IndexError, RuntimeError)):
+        EAGER(x, w, b, t, *args)
+    fused = op_with(algo)
+    loss, *grads = fwd_bwd(lambda *a: fused(*a).sum(), x, w, b, t, *args)
+    assert torch.isnan(loss) and all(torch.isnan(g).any() for g in grads)
+    assert torch.isnan(grads[1]).all()  # dW: every class's gradient sums the bad row's
+    if red == "none":
+        rows, ok = fused(x, w, b, t, *args), torch.arange(37) != 5
+        assert torch.isnan(rows[5]) and rel(rows[ok], EAGER(x[ok], w, b, t[ok], *args)) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("algo", ALGOS)
+def test_out_of_range_target_on_cuda_is_nan_without_a_host_sync(algo):
+    """The compiled kernels on a bad target (eager's CUDA kernel asserts on the device): nan loss and
+    gradients, no illegal access (the kernels clamp it), and no host sync in forward or backward."""
+    x, w, b, t = (v.cuda() for v in inputs(37, 24, 211, torch.bfloat16, True))
+    t[5] = 211
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = op_with(algo)(xs, ws, b, t, -100, "mean", 0.1, 0.0, 1.0)
+        dx, dw = torch.autograd.grad(loss, (xs, ws))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isnan(loss) and torch.isnan(dx).any() and torch.isnan(dw).all()
+
+
 def test_bwd_skips_unneeded_grads():
     x, w, b, t = inputs(37, 24, 211, torch.float32, True)
     rows, lse = torch.ops.fxfuse.linear_cross_entropy_fwd(x, w, b, t, -100, 0.0, 0.0, 1.0, False, False)
@@ -283,7 +323,8 @@ def test_opcheck_fast(bias, red):
     x.requires_grad_()
     w.requires_grad_()
     torch.library.opcheck(FAST, (x, w, b, t, -100, red, 0.1, 2.0, 1.0, False, False, True, True, bias))
-    torch.library.opcheck(FAST, (x, w, b, t, 7, red, 0.0, 0.0, 0.5, True, True, False, True, False))
+    t7 = t.masked_fill(t == -100, 7)  # ignore_index 7: a -100 left would be out of range (nan)
+    torch.library.opcheck(FAST, (x, w, b, t7, 7, red, 0.0, 0.0, 0.5, True, True, False, True, False))
 
 
 @pytest.mark.parametrize("algo", ALGOS)
