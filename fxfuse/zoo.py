@@ -262,6 +262,7 @@ def summary(r: Result) -> str:
     if r.bf16_max_rel is not None:
         lines.append(f"  bf16 autocast, 20 AdamW steps: largest loss divergence {r.bf16_max_rel:.2e} -> "
                      f"{'ok' if r.bf16_ok else 'FAIL'}")
+        lines += [f"    judged {r.bf16_fp32}"] if r.bf16_fp32 else []
     for p in r.autocast_gaps:  # informational: the loss curve does not see a site left unfused
         why = "; ".join(dict.fromkeys(r.bf16_reasons.get(p, [])))
         lines.append(f"  under bf16 autocast {p} fuses {r.bf16_fused[p]} of the {r.fp32_fused[p]} sites fp32 fuses"
