@@ -3,11 +3,13 @@ neighbours) is one of the spellings a rule unifies, and what it reads as. No rul
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 
 from .shapes import _expr
 
@@ -21,6 +23,16 @@ CASTS = {
 def val(n) -> torch.Tensor | None:
     v = n.meta.get("val") if isinstance(n, fx.Node) else None
     return v if isinstance(v, torch.Tensor) else None
+
+
+def fake_call(fn, n: fx.Node, lists: bool = True):
+    """fn on the fake values of n's arguments (raw meta values: SymInt sizes too), in n's fake mode.
+    A list argument is a list of its nodes' values where lists, else passed as it is (of nodes: fn
+    then raises, as it does where an argument has no value)."""
+    get = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
+    arg = lambda a: [get(b) for b in a] if lists and isinstance(a, (list, tuple)) else get(a)  # noqa: E731
+    with detect_fake_mode([n.meta.get("val")]) or contextlib.nullcontext():
+        return fn(*map(arg, n.args), **{k: arg(a) for k, a in n.kwargs.items()})
 
 
 def _only_divisor(n: fx.Node) -> bool:

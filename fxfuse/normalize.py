@@ -15,7 +15,6 @@ unsqueeze puts back (``rsqrt(x.pow(2).mean(-1) + eps)[..., None]``) keeps it, an
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -26,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import opaque
-from .canon_rules import CASTS
+from .canon_rules import CASTS, fake_call
 from .checkpoint import inline_checkpoints
 from .respell import canonical_keepdim, canonical_nll
 
@@ -222,12 +221,12 @@ def _readers_allow(self_: fx.Node, write: fx.Node, later: list[fx.Node]) -> bool
 
 
 def _out_of_place_val(functional, n: fx.Node):
-    """functional's fake result on n's arguments, or None where it cannot be evaluated."""
-    val = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
+    """functional's fake result on n's arguments, or None where the write stays as written: an argument
+    without a value, or a list of tensors among them (``index_put_``'s indices: a partial write, whose
+    out-of-place form copies the whole tensor, and no pattern reads one)."""
     try:
-        with detect_fake_mode([n.meta["val"]]) or contextlib.nullcontext():
-            return functional(*map(val, n.args), **{k: val(a) for k, a in n.kwargs.items()})
-    except Exception:  # an argument without a value, a list of nodes: leave the write as it is
+        return fake_call(functional, n, lists=False)
+    except Exception:
         return None
 
 

@@ -32,14 +32,12 @@ own. ``log_softmax(z, d, dtype=...)`` casts z first (an ``aten.to`` node). Only 
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .canon_rules import CASTS, val
+from .canon_rules import CASTS, fake_call, val
 from .shapes import RESHAPES
 
 aten = torch.ops.aten
@@ -103,10 +101,7 @@ def _chain(u: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
 
 def _recompute(n: fx.Node) -> None:
     """n's fake value from its (changed) arguments'."""
-    vals = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731  (SymInt sizes too)
-    args = [[vals(b) for b in a] if isinstance(a, (list, tuple)) else vals(a) for a in n.args]
-    with detect_fake_mode([val(n)]) or contextlib.nullcontext():
-        n.meta["val"] = n.target(*args, **{k: vals(a) for k, a in n.kwargs.items()})
+    n.meta["val"] = fake_call(n.target, n)
     n.meta.pop("tensor_meta", None)
 
 
