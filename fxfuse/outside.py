@@ -16,7 +16,9 @@ Each graph's report names the break that ended it (``ending_break``: reason and 
     makes Dynamo compile that module's forward where it would otherwise run it eagerly (a skipped
     frame's ``nn.RMSNorm``): the census would then report a fusion a plain run does not get.
 Recognised site modules (an RMSNorm class, a gated MLP, a rotary model's attention: the harness's
-rules) among them become unmatched sites with ``graph = -1``.
+rules) among them become unmatched sites with ``graph = -1``; so does each F.cross_entropy /
+F.nll_loss call that ran in Python (the loss of a skipped forward: an unmatched loss head, placed at
+the model's line that led to it).
 
 It also counts the runs of every compiled graph with a matched site (the backend wraps those in
 ``counted``), so ``Report.calls`` holds the fused calls that ran. Sites are counted per compiled
@@ -44,6 +46,8 @@ from .report import PATTERN_NAMES, Report, Site
 log = logging.getLogger("fxfuse")
 OUTSIDE_REASON = ("ran eagerly, outside every compiled graph (a graph break: see the report's "
                   "graph breaks), so nothing in it is fused")
+OUTSIDE_LOSS_REASON = ("this cross-entropy ran eagerly, outside every compiled graph (a graph break: see "
+                       "the report's graph breaks), so no loss head fuses here")
 
 
 _ACTIVE: list[Census] = []  # censuses inside their call: they count graph runs
@@ -171,6 +175,7 @@ class Census:
         self._names: dict[int, str] = {}
         self._codes: set[int] = set()  # id() of the forward code objects: a code object holding a dict
         # constant (a Dynamo resume function's, say) cannot be hashed; the classes keep these alive
+        self.losses: dict[tuple[str, str], None] = {}  # (module, source) of each eager cross-entropy call
 
     def __enter__(self) -> Census:
         self._before = _graph_breaks()
@@ -186,6 +191,24 @@ class Census:
     def _saw(self, code, self_arg) -> None:
         if id(code) in self._codes and id(self_arg) in self._names:
             self.eager.append((self._names[id(self_arg)], self_arg))
+
+    def _saw_loss(self, caller) -> None:
+        """F.cross_entropy / F.nll_loss ran in Python, called from frame caller: a compiled graph runs
+        ATen ops, never these functions, so it ran outside every graph. Placed at the innermost model
+        module whose forward led to it (the line there), else at the caller. A GraphModule's own code
+        (an unfused graph run as written) is no model code."""
+        if caller is None or caller.f_code.co_filename.startswith("<"):
+            return
+        place, module, frame = caller, "", caller
+        for _ in range(16):
+            if frame is None:
+                break
+            owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+            if owner is not None and id(owner) in self._names:
+                place, module = frame, self._names[id(owner)]
+                break
+            frame = frame.f_back
+        self.losses.setdefault((module, f"{os.path.basename(place.f_code.co_filename)}:{place.f_lineno}"), None)
 
     def __exit__(self, *exc) -> None:
         _ACTIVE.remove(self)
@@ -223,6 +246,8 @@ class Census:
         for name, mod in self.eager:
             for pattern in site_patterns(mod, rope):
                 report.unmatched.append(Site(pattern, name, _source(mod), "", OUTSIDE_REASON, graph=-1))
+        for module, source in self.losses:
+            report.unmatched.append(Site("linear_cross_entropy", module, source, "", OUTSIDE_LOSS_REASON, graph=-1))
         return report
 
 
@@ -234,25 +259,35 @@ def _forward_code(mod: nn.Module):
 
 class _Profiler:
     """A Python profile function (``sys.setprofile``) that reports to the active censuses every
-    frame that starts running a module's forward code in Python. A forward Dynamo compiled runs its
-    transformed code object instead, and one traced into a caller's graph runs no Python at all, so
-    only eager runs are seen; unlike module hooks (with which Dynamo compiles a torch.nn module's
-    forward it would otherwise run eagerly), a profile function changes nothing Dynamo decides. It
-    pauses while Dynamo compiles (its compile callbacks): tracing runs no model code, and profiling
-    Dynamo itself would cost seconds. A Python profiler already set (cProfile) is off for the call
-    and restored after it."""
+    frame that starts running a module's forward code in Python, and every call of F.cross_entropy /
+    F.nll_loss (a loss computed eagerly: the loss head a sweep would otherwise show as a silent gap).
+    A forward Dynamo compiled runs its transformed code object instead, and one traced into a
+    caller's graph runs no Python at all, so only eager runs are seen; unlike module hooks (with
+    which Dynamo compiles a torch.nn module's forward it would otherwise run eagerly), a profile
+    function changes nothing Dynamo decides. It pauses while Dynamo compiles (its compile
+    callbacks): tracing runs no model code, and profiling Dynamo itself would cost seconds. A Python
+    profiler already set (cProfile) is off for the call and restored after it."""
 
     previous = None
+    losses: set[int] = set()  # id() of F.cross_entropy's and F.nll_loss's code objects
 
     @staticmethod
     def hook(frame, event, _arg) -> None:
-        if event == "call" and frame.f_code.co_name == "forward":
+        if event != "call":
+            return
+        if frame.f_code.co_name == "forward":
             self_arg = frame.f_locals.get("self")
             for census in _ACTIVE:
                 census._saw(frame.f_code, self_arg)
+        elif id(frame.f_code) in _Profiler.losses:
+            for census in _ACTIVE:
+                census._saw_loss(frame.f_back)
 
     @classmethod
     def start(cls) -> None:
+        import torch.nn.functional as F
+
+        cls.losses = {id(F.cross_entropy.__code__), id(F.nll_loss.__code__)}
         cls.previous = sys.getprofile()
         handler = _callbacks()
         if handler is not None:

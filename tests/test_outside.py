@@ -20,7 +20,7 @@ import fxfuse
 from fxfuse import outside
 from fxfuse.checkpoint import skip_checkpoint_side_effect_replay
 from fxfuse.harness import check
-from fxfuse.outside import OUTSIDE_REASON, Census, break_line
+from fxfuse.outside import OUTSIDE_LOSS_REASON, OUTSIDE_REASON, Census, break_line
 from tests.helpers import batch, hf_model
 from tests.models import TitanLM
 
@@ -115,7 +115,8 @@ def test_checkpointed_side_effect_layers_are_reported_outside():
     # (w1, w3); the break sits in forward's loop, so Dynamo skips that whole frame and the final
     # nn.RMSNorm, called from it, runs eagerly too (Dynamo does not compile a torch.nn forward alone)
     assert outside == sorted([("rms_norm", f"layers.{i}.{n}") for i in (0, 1) for n in ("attention_norm", "ffn_norm")]
-                             + [(p, f"layers.{i}") for i in (0, 1) for p in ("rope", "swiglu")] + [("rms_norm", "norm")])
+                             + [(p, f"layers.{i}") for i in (0, 1) for p in ("rope", "swiglu")] + [("rms_norm", "norm")]
+                             + [("linear_cross_entropy", "")])  # the loss, in the skipped forward too
     assert report.counts() == report.calls == dict.fromkeys(FULL, 0)
     assert report.outside == ["(root) (SideEffectTitan) x1", "tok_embeddings (Embedding) x1", "layers.* (TitanBlock) x2",
                               "norm (RMSNorm) x1", "output (Linear) x1"]
@@ -174,11 +175,13 @@ def test_a_graph_reused_for_every_layer_counts_its_fused_calls_per_run():
     assert report.counts() == {"rms_norm": 2, "rope": 1, "swiglu": 1, "linear_cross_entropy": 0}
     # the final norm and the cross-entropy run in forward's skipped frame, eagerly: no fused call
     assert report.calls == FULL | {"rms_norm": 4, "linear_cross_entropy": 0}
-    assert [(s.pattern, s.module) for s in report.unmatched if s.graph == -1] == [("rms_norm", "norm")]
+    assert [(s.pattern, s.module) for s in report.unmatched if s.graph == -1] == [("rms_norm", "norm"),
+                                                                                 ("linear_cross_entropy", "")]
     assert "fused calls at run time (a compiled graph ran more than once, or not at all): rms_norm 4" in str(report)
     result = check("loop-break", lambda: _titan(LoopBreakTitan), batch(), loss_of=lambda out: out, bf16_steps=0)
     assert result.matched == report.calls and result.gaps == ["rms_norm", "linear_cross_entropy"]
     assert OUTSIDE_REASON in result.reasons["rms_norm"] and result.parity_ok
+    assert result.reasons["linear_cross_entropy"] == [OUTSIDE_LOSS_REASON]
 
 
 def test_runs_are_counted_only_inside_a_census():
@@ -315,6 +318,36 @@ def test_hf_gpt2_break_names_its_fix_and_the_fix_fuses_with_parity():
     result = check("gpt2-loss-type", fixed, batch(), bf16_steps=0)
     assert result.matched["linear_cross_entropy"] == 1 and not result.gaps and result.parity_ok, result
     assert "graph_breaks" not in result.reasons
+
+
+@torch.compiler.disable
+def _eager_loss(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+class EagerLossTitan(TitanLM):
+    """The loss through a compiler-disabled function: it runs in Python, outside every graph."""
+
+    def forward(self, input_ids, labels=None):
+        return _eager_loss(super().forward(input_ids), labels)
+
+
+def test_a_loss_run_eagerly_is_an_unmatched_head_placed_at_the_models_line():
+    report = fxfuse.explain(_titan(EagerLossTitan), **batch())
+    assert report.counts() == FULL | {"linear_cross_entropy": 0}
+    heads = [(s.module, s.source, s.reason, s.graph) for s in report.unmatched if s.pattern == "linear_cross_entropy"]
+    assert heads == [("", f"test_outside.py:{_line_of('return _eager_loss(super()')}", OUTSIDE_LOSS_REASON, -1)]
+    result = check("eager-loss", lambda: _titan(EagerLossTitan), batch(), loss_of=lambda out: out, bf16_steps=0)
+    assert result.gaps == ["linear_cross_entropy"] and result.reasons["linear_cross_entropy"] == [OUTSIDE_LOSS_REASON]
+
+
+def test_a_loss_in_an_unfused_graph_run_by_the_eager_inner_compiler_is_not_outside():
+    """inner "eager" runs a graph left unfused as Dynamo's own GraphModule, whose code calls
+    F.cross_entropy in Python: inside a graph, not outside one."""
+    model = _titan(TitanLM)
+    with Census(model) as census:
+        torch.compile(model, backend="fxfuse", options={"inner": "eager", "patterns": []})(**batch())
+    assert census.losses == {}
 
 
 def _line_of(text: str) -> int:
