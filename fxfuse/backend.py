@@ -49,6 +49,7 @@ def selected_patterns(names):
 def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.GraphModule, Report]:
     """Dynamo graph -> rewritten ATen graph and its report (no inner compile). Fail safe: if the
     re-trace or the rewrite raises, Dynamo's graph is returned unchanged and the report says why."""
+    breaks = ending_break(gm)  # the graph break that ended Dynamo's graph, reported either way
     try:
         aten_gm = to_aten(gm, example_inputs)
         before = aten_gm.code if opts.debug_dir else ""
@@ -72,10 +73,9 @@ def transform(gm: fx.GraphModule, example_inputs, opts: Options) -> tuple[fx.Gra
         if _dynamo_control_flow(e):
             raise
         log.warning("fxfuse: graph left unfused: %s: %s", type(e).__name__, e)
-        report = Report(graphs=1, errors=[f"graph left unfused: {type(e).__name__}: {e}"],
-                        graph_breaks=ending_break(gm))
+        report = Report(graphs=1, errors=[f"graph left unfused: {type(e).__name__}: {e}"], graph_breaks=breaks)
         return gm, report
-    report.graph_breaks = ending_break(gm)
+    report.graph_breaks = breaks
     if opts.debug_dir:
         dump_report(opts.debug_dir, f"graph{next(_graph_ids)}", report, before, aten_gm)
     return aten_gm, report

@@ -79,6 +79,9 @@ def break_line(key: str) -> str:
     return "; then: ".join(filter(None, map(_one_break, key.split("*** While handling this graph break"))))
 
 
+_AT = "; at "  # between a break's reason and its place (ending_break); the census matches on it
+
+
 def ending_break(gm) -> list[str]:
     """The graph break that ended Dynamo's graph gm (its ``compile_subgraph_reason``) as one line:
     Dynamo's reason (break_line), then ``; at file:line in function `source```. [] where the graph
@@ -96,7 +99,7 @@ def ending_break(gm) -> list[str]:
     frame = stack[-1]
     code = linecache.getline(frame.filename, frame.lineno).strip()
     where = f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
-    return [f"{why}; at {where}" + (f" `{code}`" if code else "")]
+    return [f"{why}{_AT}{where}" + (f" `{code}`" if code else "")]
 
 
 def _hf_loss_type_hint(model, line: str) -> str:
@@ -235,7 +238,7 @@ class Census:
                 report.calls[p] += n * runs
         # the graphs' own breaks (ending_break) carry the place; a counter of the same reason adds nothing
         report.graph_breaks += [b for b in _distinct(self._after - self._before)
-                                if not any(o.startswith(b + "; at ") for o in report.graph_breaks)]
+                                if not any(o.startswith(b + _AT) for o in report.graph_breaks)]
         report.graph_breaks = [_hf_loss_type_hint(self.model, b) for b in report.graph_breaks]
         # an eager module's eager submodules fold into it, but not into the root: a skipped top-level
         # forward (a graph break in its layer loop) runs its layers as compiled frames of their own

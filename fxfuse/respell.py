@@ -32,7 +32,6 @@ own. ``log_softmax(z, d, dtype=...)`` casts z first (an ``aten.to`` node). Only 
 """
 from __future__ import annotations
 
-
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
