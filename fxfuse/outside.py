@@ -198,9 +198,12 @@ class Census:
     def _saw_loss(self, caller) -> None:
         """F.cross_entropy / F.nll_loss ran in Python, called from frame caller: a compiled graph runs
         ATen ops, never these functions, so it ran outside every graph. Placed at the innermost model
-        module whose forward led to it (the line there), else at the caller. A GraphModule's own code
-        (an unfused graph run as written) is no model code."""
+        module whose forward led to it (the line there), else at the caller. Not a model's loss: a call
+        from a GraphModule's own code (an unfused graph run as written), or from fxfuse's (the fast
+        loss head reduces its rows with F.nll_loss inside its op, during a compiled graph's run)."""
         if caller is None or caller.f_code.co_filename.startswith("<"):
+            return
+        if os.path.dirname(caller.f_code.co_filename) in _Profiler.own_dirs:
             return
         place, module, frame = caller, "", caller
         for _ in range(16):
@@ -273,6 +276,7 @@ class _Profiler:
 
     previous = None
     losses: set[int] = set()  # id() of F.cross_entropy's and F.nll_loss's code objects
+    own_dirs: set[str] = set()  # fxfuse's and its kernels' folders: their loss calls are no model's
 
     @staticmethod
     def hook(frame, event, _arg) -> None:
@@ -290,7 +294,10 @@ class _Profiler:
     def start(cls) -> None:
         import torch.nn.functional as F
 
+        from . import kernels
+
         cls.losses = {id(F.cross_entropy.__code__), id(F.nll_loss.__code__)}
+        cls.own_dirs = {os.path.dirname(os.path.abspath(m.__file__)) for m in (kernels, sys.modules[__package__])}
         cls.previous = sys.getprofile()
         handler = _callbacks()
         if handler is not None:

@@ -350,6 +350,17 @@ def test_a_loss_in_an_unfused_graph_run_by_the_eager_inner_compiler_is_not_outsi
     assert census.losses == {}
 
 
+def test_the_fused_heads_own_reduction_is_not_an_eager_loss():
+    """The fast loss head (Inductor's default) reduces its rows with F.nll_loss in Python, inside its
+    op, as eager sums them: called from fxfuse's kernels during a compiled graph's run, it is no loss
+    outside the graphs. (The lean head's reduction is traced into the graph.)"""
+    model = _titan(TitanLM)
+    with Census(model) as census:
+        torch.compile(model, backend="fxfuse", options={"inner": "aot_eager", "loss_head": "fast"})(**batch())
+    assert census.losses == {}
+    assert [s for s in census.apply(fxfuse.Report()).unmatched if s.pattern == "linear_cross_entropy"] == []
+
+
 def _line_of(text: str) -> int:
     """Line number of the first line of this file holding text."""
     with open(__file__) as f:
