@@ -7,12 +7,17 @@ is the difference to these rows).
 
     python bench/bench_linear_cross_entropy.py [--shapes 8192x4096x128256] [--dtype bfloat16]
         [--label-smoothing 0.1] [--softcap 30] [--bias] [--frozen-weight] [--fast-rows 512 2048]
-        [--vocab-scale [--frozen-scale]]
+        [--vocab-scale [--frozen-scale]] [--log-probs]
 
 --vocab-scale times Dory's head instead, ``cross_entropy(linear(x, W, b).float() * s, t)`` with a
 learned [V] scale s (its gradient included; --frozen-scale: not, as under LoRA): fxfuse fuses it through
 the backend, s the op's fp32 vocab_scale (providers eager, inductor, fxfuse-compiled[-lean], and the
 bare op as fxfuse / fxfuse-fast; Liger has no such scale).
+
+--log-probs times an RL policy loss on per-token log-probs instead (GRPO's ``-(exp(lp - lp.detach()) *
+adv).mean()``, lp spelled as verl writes it, ``log_softmax(linear(x, W, b).float(), -1).gather(-1, t[:, None])``,
+no target ignored): fxfuse-compiled fuses it through the backend's respelling to minus the per-token
+cross-entropy; fxfuse / fxfuse-fast / liger are their ops with reduction "none".
 
 Each case (NxHxV) times ``loss = f(x, W, b, target)`` and ``torch.autograd.grad`` of x, W (and b),
 and reports ms, TFLOP/s from ``lce_flops`` (the three matmuls any implementation needs;
@@ -38,6 +43,7 @@ DEFAULT_SHAPES = ("8192x4096x128256", "16384x2048x32000")
 # torch.compile(backend="fxfuse") (inner Inductor; loss_head "auto" = fast, or "lean"): the user's path
 LCE_PROVIDERS = (*PROVIDERS, "fxfuse-fast", "fxfuse-compiled", "fxfuse-compiled-lean", "matmuls", "matmuls-passes")
 IGNORE_INDEX = -100
+NO_CLASS = torch.iinfo(torch.int64).min  # --log-probs: the fused op's ignore_index that no token takes
 
 
 def lce_bytes(n: int, h: int, v: int, element_size: int, bias: bool = False, frozen_weight: bool = False) -> int:
@@ -91,6 +97,18 @@ def lce_vocab_scaled(x, w, b, t, s, ignore_index: int, label_smoothing: float):
     return torch.nn.functional.cross_entropy(logits, t, ignore_index=ignore_index, label_smoothing=label_smoothing)
 
 
+def _policy_loss(lp, t):
+    """GRPO's token loss on log-probs lp [N]: -(exp(lp - lp.detach()) * adv).mean(), adv a fixed stand-in
+    advantage per token."""
+    return -(torch.exp(lp - lp.detach()) * torch.cos(t.float())).mean()
+
+
+def lce_log_probs(x, w, b, t, s):
+    """An RL policy loss on per-token log-probs, spelled as verl's logprobs_from_logits_naive."""
+    z = torch.nn.functional.linear(x, w, b).float()
+    return _policy_loss(torch.log_softmax(z, -1).gather(-1, t[:, None]).squeeze(-1), t)
+
+
 def _liger_fn(args):
     """(fn(x, w, b, t, s) -> loss, note); fn is None when Liger cannot run this case."""
     if not have_liger():
@@ -99,10 +117,13 @@ def _liger_fn(args):
         return None, "liger has no logit scale"
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    kw = dict(ignore_index=IGNORE_INDEX, label_smoothing=args.label_smoothing, reduction="mean")
+    kw = dict(ignore_index=IGNORE_INDEX, label_smoothing=args.label_smoothing,
+              reduction="none" if args.log_probs else "mean")
     if args.softcap > 0:
         kw["softcap"] = args.softcap
     loss = LigerFusedLinearCrossEntropyLoss(**kw)
+    if args.log_probs:
+        return (lambda x, w, b, t, s: _policy_loss(-loss(w, x, t, b), t)), ""
     return (lambda x, w, b, t, s: loss(w, x, t, b)), ""
 
 
@@ -112,6 +133,8 @@ def _definition(args):
 
     if args.vocab_scale:
         return lce_vocab_scaled, (IGNORE_INDEX, args.label_smoothing)
+    if args.log_probs:
+        return lce_log_probs, ()
     return ((lambda x, w, b, t, s, *e: linear_cross_entropy_eager(x, w, b, t, *e)),
             (IGNORE_INDEX, "mean", args.label_smoothing, args.softcap, args.logit_scale))
 
@@ -137,6 +160,9 @@ def _provider_fn(provider: str, args):
             return (lambda x, w, b, t, s: torch.ops.fxfuse.linear_cross_entropy(
                 x, w, b, t, IGNORE_INDEX, "mean", args.label_smoothing, 0.0, 1.0, algorithm, False, False,
                 s.float())), ""
+        if args.log_probs:  # no index ignored: the backend's respelling (fxfuse/respell.py) passes the same
+            return (lambda x, w, b, t, s: _policy_loss(-torch.ops.fxfuse.linear_cross_entropy(
+                x, w, b, t, NO_CLASS, "none", 0.0, 0.0, 1.0, algorithm), t)), ""
         return (lambda x, w, b, t, s: torch.ops.fxfuse.linear_cross_entropy(x, w, b, t, *extra, algorithm)), ""
     raise ValueError(provider)
 
@@ -159,7 +185,8 @@ def _inputs(n: int, h: int, v: int, dtype: torch.dtype, args, seed: int = 0, dev
     w = (torch.randn(v, h, device=device, dtype=dtype, generator=gen) * h**-0.5).requires_grad_(not args.frozen_weight)
     b = torch.randn(v, device=device, dtype=dtype, generator=gen).requires_grad_() if args.bias else None
     t = torch.randint(0, v, (n,), device=device, generator=gen)
-    t[torch.rand(n, device=device, generator=gen) < 0.05] = IGNORE_INDEX
+    if not args.log_probs:  # a gathered log-prob has no ignored index
+        t[torch.rand(n, device=device, generator=gen) < 0.05] = IGNORE_INDEX
     s = torch.rand(v, device=device, dtype=dtype, generator=gen) + 0.5 if args.vocab_scale else None
     s = s.requires_grad_(not args.frozen_scale) if s is not None else None
     return x, w, b, t, s
@@ -251,6 +278,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-scale", action="store_true",
                         help="Dory's head: logits.float() * a learned [V] scale (see the module doc)")
     parser.add_argument("--frozen-scale", action="store_true", help="with --vocab-scale: s.requires_grad = False")
+    parser.add_argument("--log-probs", action="store_true",
+                        help="an RL policy loss on per-token log-probs (log_softmax + gather) instead")
     parser.add_argument("--providers", nargs="+", default=list(LCE_PROVIDERS), choices=LCE_PROVIDERS)
     parser.add_argument("--fast-rows", type=int, nargs="+", default=None,
                         help="also time fxfuse-fast (and matmuls-passes) at these rows per pass")
@@ -259,7 +288,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_args(parser)
-    run(parser.parse_args())
+    args = parser.parse_args()
+    if args.log_probs and (args.vocab_scale or args.softcap or args.logit_scale != 1.0 or args.label_smoothing):
+        parser.error("--log-probs times the plain head: no --vocab-scale, --softcap, --logit-scale or --label-smoothing")
+    run(args)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,9 @@ has swiglu && run swiglu && run swiglu --cuda-graph && run swiglu --chunked --sh
 has rope && run rope && run rope --cuda-graph
 has linear_cross_entropy && run linear_cross_entropy \
   && run linear_cross_entropy --vocab-scale --shapes 8192x4096x128256 --providers eager inductor fxfuse-compiled \
-     fxfuse-compiled-lean
+     fxfuse-compiled-lean \
+  && run linear_cross_entropy --log-probs --shapes 8192x4096x128256 --providers eager inductor liger fxfuse \
+     fxfuse-fast fxfuse-compiled fxfuse-compiled-lean
 has nanochat && run nanochat
 for script in tune_rms_norm probe_rms_norm; do  # sweeps and probes, only when named
   if named $script; then

@@ -25,8 +25,10 @@ Rules (user spelling -> canonical label):
     dims (``view(-1, V)``, ``reshape``, ``flatten(0, 1)``), each with no other user, disappear
     (``_logits_chain``): one loss-head spelling matches 2-D and [B, T, V] logits, with or without
     ``.float()``, in either order. The loss head's check requires the [N, V] input it implies.
-    On the same way, ``z[..., :V]`` of an lm_head output z padded past the vocabulary reads as z
-    (``_vocab_slice``); the loss head lowers with the weight's first V rows.
+    On the same way, ``z[..., :V]`` of an lm_head output z padded past the vocabulary and row slices
+    (GPT-2's shift ``logits[..., :-1, :]``, with its ``.contiguous()``) read as their input
+    (``_logits_slices``); the loss head lowers with the weight's first V rows, and slices the hidden
+    states as the logits were.
 The recognisers live in canon_rules.py.
 """
 from __future__ import annotations
@@ -40,8 +42,8 @@ import torch
 import torch.fx as fx
 
 from .canon_rules import (CASTS, SPLITS, _is_divisor_sqrt, _is_logistic_divisor, _is_reciprocal_sqrt,
-                          _logistic_exp, _logits_chain, _negated, _piece_range, _summed_numel, _unscaled, _vocab_slice,
-                          val)
+                          _logistic_exp, _logits_chain, _logits_slices, _negated, _piece_range, _summed_numel,
+                          _unscaled, val)
 from .shapes import RESHAPES, _frac, _neg, _rel_shape, shape_literals
 
 aten = torch.ops.aten
@@ -170,10 +172,9 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
             e = _logistic_exp(n)
             absorbed |= {e, e.args[0]}  # exp, neg: folded into the sigmoid the add reads as
         if n.op == "call_function" and n.target == aten.cross_entropy_loss.default:
-            for link in _logits_chain(n.args[0]):
+            chain = _logits_chain(n.args[0])
+            for link in chain + _logits_slices(chain[-1].args[0] if chain else n.args[0]):
                 alias[link] = link.args[0]
-            if (vocab := _vocab_slice(n.args[0])) is not None:
-                alias[vocab] = vocab.args[0]
         # sum feeding only div(sum, N) or mul(sum, 1 / N), N its element count, is folded into it (-> mean)
         if _mean_of_sum(n):
             absorbed.add(n.args[0])

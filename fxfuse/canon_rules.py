@@ -200,16 +200,28 @@ def returned_only(users) -> bool:
 
 
 def _logits_chain(n) -> list[fx.Node]:
-    """The casts to fp32 and [N, V] row merges directly before a cross_entropy input, each with one
-    user (the next link), nearest the loss first; a cast may also be returned (Mamba returns
-    ``lm_head(h).float()`` as its logits, and the loss casts them again)."""
+    """The links directly before a cross_entropy input, each with one user (the next link), nearest the
+    loss first: casts to fp32 (a cast may also be returned: Mamba returns ``lm_head(h).float()`` as its
+    logits, and the loss casts them again), [N, V] row merges, ``.contiguous()`` and row slices
+    (``logits[..., :-1, :]``, see is_row_slice)."""
     chain = []
     while isinstance(n, fx.Node) and n.op == "call_function" and (
             (n.target in CASTS and _to_f32_same_device(n) and sum(not returned_only([u]) for u in n.users) == 1)
-            or (n.target in ROW_MERGES and _merges_rows(n) and len(n.users) == 1)):
+            or (n.target in ROW_MERGES and _merges_rows(n) and len(n.users) == 1)
+            or (n.target == aten.contiguous.default and len(n.users) == 1) or is_row_slice(n)):
         chain.append(n)
         n = n.args[0]
     return chain
+
+
+def is_row_slice(n: fx.Node) -> bool:
+    """n slices its input over a dim other than the last (the classes), and is read once: GPT-2's
+    ``lm_logits[..., :-1, :]`` shift. On the logits it commutes with the lm_head (and with the pointwise
+    ops after it): the loss head applies it to the hidden states instead."""
+    if n.op != "call_function" or n.target != aten.slice.Tensor or len(n.users) != 1:
+        return False
+    v, dim = val(n.args[0]), n.args[1] if len(n.args) > 1 else 0
+    return isinstance(v, torch.Tensor) and v.dim() >= 2 and dim % v.dim() != v.dim() - 1
 
 
 def _is_vocab_prefix(n: fx.Node) -> bool:
@@ -225,16 +237,19 @@ def _is_vocab_prefix(n: fx.Node) -> bool:
             and isinstance(end, int) and not isinstance(end, bool) and 0 < end < size)
 
 
-def _vocab_slice(n, hops: int = 8) -> fx.Node | None:
-    """The ``z[..., :V]`` (see _is_vocab_prefix) on the logits' way into cross_entropy, n its input,
-    through ops of one tensor operand and one user each (casts, a scale, a softcap, row merges) or a
-    product with a tensor (a learned logit scale: either factor may be the logits); None if there is
-    none. It reads as z: the loss head lowers with the weight's first V rows."""
+def _logits_slices(n, hops: int = 8) -> list[fx.Node]:
+    """The slices on the logits' way into cross_entropy past the links of _logits_chain, n its input:
+    ``z[..., :V]`` (see _is_vocab_prefix) and row slices, through ops of one tensor operand and one user
+    each (a scale, a softcap, casts) or a product with a tensor (a learned logit scale: either factor may
+    be the logits). The vocabulary prefix reads as z: the loss head lowers with the weight's first V
+    rows; a row slice reads as its input: the loss head slices the hidden states."""
     if hops == 0 or not (isinstance(n, fx.Node) and n.op == "call_function" and len(n.users) == 1):
-        return None
+        return []
     if n.target == aten.slice.Tensor:
-        return n if _is_vocab_prefix(n) else None
+        if _is_vocab_prefix(n):
+            return [n]
+        return [n, *_logits_slices(n.args[0], hops - 1)] if is_row_slice(n) else []
     inputs = n.all_input_nodes
     if len(inputs) == 1 or (len(inputs) == 2 and n.target == aten.mul.Tensor):
-        return next((s for s in (_vocab_slice(a, hops - 1) for a in inputs) if s is not None), None)
-    return None
+        return next((s for s in (_logits_slices(a, hops - 1) for a in inputs) if s), [])
+    return []

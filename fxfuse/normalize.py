@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from . import opaque
 from .canon_rules import CASTS, fake_call
 from .checkpoint import inline_checkpoints
-from .respell import canonical_keepdim, canonical_nll
+from .respell import canonical_keepdim, canonical_log_probs, canonical_nll
 
 
 def _fakify(gm: fx.GraphModule, example_inputs, fake_mode):
@@ -307,6 +307,7 @@ def canonical_ops(graph: fx.Graph) -> None:
     canonical_linear(graph)
     canonical_keepdim(graph)
     canonical_nll(graph)
+    canonical_log_probs(graph)
 
 
 def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:

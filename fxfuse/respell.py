@@ -29,6 +29,22 @@ own. ``log_softmax(z, d, dtype=...)`` casts z first (an ``aten.to`` node). Only 
 (and the transpose) is read by the nll_loss alone, and the softmax dim is nll_loss's class dim
 (dim 1, or 0 for a 1-D input) once the transpose is applied; a view / reshape between them
 (``.view(-1, V)``) keeps the softmax's last dim and its size as nll_loss's class dim.
+
+The log-probability of each taken token, read off a log_softmax or a logsumexp -> minus the per-token
+cross-entropy:
+
+    F.log_softmax(z, -1).gather(-1, t.unsqueeze(-1)).squeeze(-1)              # verl, RL per-token logps
+    z.gather(-1, t.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, -1)         # TRL's selective_log_softmax
+    ... - torch.stack([torch.logsumexp(row, -1) for row in z])                  # (its loop over rows)
+    -F.cross_entropy(z.flatten(0, -2), t.flatten(), reduction="none",         # what they become (in the
+                     ignore_index=NO_CLASS).view_as(...)                       # gather's / the sub's shape)
+
+log_softmax(z)[t] = z[t] - logsumexp(z) = -cross_entropy(z, t) for one row, so the values are eager's
+within one rounding (the cross_entropy rounds once where the spellings round the log-probs and their
+difference) and the gradients are the same math. Eager gather raises on an index outside [0, V); so
+does cross_entropy, whose ignore_index NO_CLASS (int64's least value) no index takes. Only where the
+gather's index is [..., 1] over the logits' leading dims (one token per row), over the last dim, and
+each node replaced (the log_softmax; the gather, its squeeze, the logsumexp) is read by the next alone.
 """
 from __future__ import annotations
 
@@ -41,6 +57,7 @@ from .shapes import RESHAPES
 
 aten = torch.ops.aten
 REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList}
+NO_CLASS = torch.iinfo(torch.int64).min  # the ignore_index of a gathered log-prob: no index is ignored
 
 
 def _reduced_dim(r: fx.Node) -> int | None:
@@ -178,3 +195,116 @@ def _fresh(graph: fx.Graph, target, args: tuple, like: fx.Node, kwargs: dict | N
     n.meta.update({k: v for k, v in like.meta.items() if k != "tensor_meta"})
     _recompute(n)
     return n
+
+
+def _last_dim(n: fx.Node, dim) -> bool:
+    v = val(n)
+    return isinstance(v, torch.Tensor) and v.dim() >= 2 and isinstance(dim, int) and dim % v.dim() == v.dim() - 1
+
+
+def _one_token_gather(g) -> tuple[fx.Node, fx.Node] | None:
+    """(source, index) where g gathers one entry per row over the last dim: gather(src, -1, index) with
+    index [..., 1] over src's leading dims."""
+    if not (isinstance(g, fx.Node) and g.op == "call_function" and g.target == aten.gather.default
+            and _last_dim(g.args[0], g.args[1]) and not g.kwargs.get("sparse_grad", False)):
+        return None
+    src, index = val(g.args[0]), val(g.args[2])
+    if not isinstance(index, torch.Tensor) or index.dim() != src.dim() or not statically_known_true(
+            index.shape[-1] == 1) or not all(statically_known_true(a == b) for a, b in zip(index.shape[:-1],
+                                                                                            src.shape[:-1])):
+        return None
+    return g.args[0], g.args[2]
+
+
+def _squeezed(n: fx.Node) -> fx.Node | None:
+    """n's input where n is squeeze(t, -1) of its last dim, else None."""
+    if n.op != "call_function" or n.target not in (aten.squeeze.dim, aten.squeeze.dims):
+        return None
+    dims = n.args[1] if n.target == aten.squeeze.dim else (n.args[1][0] if len(n.args[1]) == 1 else None)
+    return n.args[0] if _last_dim(n.args[0], dims) else None
+
+
+def _minus_ce(graph: fx.Graph, z: fx.Node, index: fx.Node, like: fx.Node, squeeze: bool) -> fx.Node:
+    """-cross_entropy(z, index, reduction="none") per row, in index's shape [..., 1] (or squeezed)."""
+    rows = _fresh(graph, aten.flatten.using_ints, (z, 0, -2), like)
+    target = _fresh(graph, aten.flatten.using_ints, (index,), like)
+    ce = _fresh(graph, aten.cross_entropy_loss.default, (rows, target, None, 0, NO_CLASS, 0.0), like)
+    out = _fresh(graph, aten.view_as.default, (_fresh(graph, aten.neg.default, (ce,), like), index), like)
+    return _fresh(graph, aten.squeeze.dim, (out, -1), like) if squeeze else out
+
+
+def _log_softmax_gather(n: fx.Node):
+    """(z, index, softmax dtype, erased nodes) where n is log_softmax(z, -1).gather(-1, index)."""
+    found = _one_token_gather(n)
+    if found is None:
+        return None
+    lp, index = found
+    if not (lp.op == "call_function" and lp.target == aten.log_softmax.int and len(lp.users) == 1
+            and _last_dim(lp, lp.args[1])):
+        return None
+    dtype = lp.args[2] if len(lp.args) > 2 else lp.kwargs.get("dtype")
+    return lp.args[0], index, dtype, (n, lp)
+
+
+def _gather_minus_logsumexp(n: fx.Node):
+    """(z, index, None, erased nodes) where n is z.gather(-1, index) - logsumexp(z, -1), with the
+    gather squeezed or the logsumexp keepdim."""
+    if n.op != "call_function" or n.target != aten.sub.Tensor or len(n.args) != 2 or n.kwargs:
+        return None
+    a, lse = n.args
+    if not (isinstance(a, fx.Node) and isinstance(lse, fx.Node) and lse.op == "call_function"
+            and lse.target == aten.logsumexp.default and len(lse.users) == 1 and len(a.users) == 1
+            and len(lse.args[1]) == 1 and _last_dim(lse.args[0], lse.args[1][0])):
+        return None
+    keepdim = lse.args[2] if len(lse.args) > 2 else lse.kwargs.get("keepdim", False)
+    g = a if keepdim else _squeezed(a)
+    found = _one_token_gather(g) if isinstance(g, fx.Node) and (g is a or len(g.users) == 1) else None
+    if found is None or found[0] is not lse.args[0]:
+        return None
+    return found[0], found[1], None, tuple(dict.fromkeys((n, a, g, lse)))
+
+
+def _row_logsumexps(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(z, nodes to erase) where n is ``torch.stack([torch.logsumexp(row, -1) for row in z])`` (TRL's
+    loop, row by row to save memory in eager): the logsumexp of every row of z in order, each read once."""
+    if n.op != "call_function" or n.target != aten.stack.default or (n.args[1:] or (0,))[0] != 0:
+        return None
+    parts, z = [], None
+    for i, lse in enumerate(n.args[0]):
+        if not (isinstance(lse, fx.Node) and lse.target == aten.logsumexp.default and len(lse.users) == 1
+                and len(lse.args[1]) == 1 and not (lse.args[2:] or (lse.kwargs.get("keepdim", False),))[0]):
+            return None
+        row = lse.args[0]
+        if not (row.op == "call_function" and row.target == aten.select.int and len(row.users) == 1
+                and row.args[1] == 0 and row.args[2] == i and (z is None or row.args[0] is z)):
+            return None
+        z, rank = row.args[0], val(row).dim()
+        if rank == 0 or lse.args[1][0] % rank != rank - 1:
+            return None
+        parts += [lse, row]
+    return (z, parts) if z is not None and statically_known_true(val(z).shape[0] == len(n.args[0])) else None
+
+
+def canonical_log_probs(graph: fx.Graph) -> None:
+    """The per-token log-prob rewrite of the module doc."""
+    for n in list(graph.nodes):
+        if (rows := _row_logsumexps(n)) is not None:
+            with graph.inserting_before(n):
+                lse = _fresh(graph, aten.logsumexp.default, (rows[0], [-1]), n)
+            n.replace_all_uses_with(lse)
+            for e in (n, *rows[1]):
+                graph.erase_node(e)
+    for n in list(graph.nodes):
+        if n.op != "call_function":
+            continue
+        found = _log_softmax_gather(n) or _gather_minus_logsumexp(n)
+        if found is None:
+            continue
+        z, index, dtype, erased = found
+        with graph.inserting_before(n):
+            if dtype is not None:
+                z = _fresh(graph, aten.to.dtype, (z, dtype), n)
+            out = _minus_ce(graph, z, index, n, squeeze=val(n).dim() < val(index).dim())
+        n.replace_all_uses_with(out)
+        for e in erased:
+            graph.erase_node(e)

@@ -31,8 +31,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxfuse.canon import val
-from fxfuse.canon_rules import returned_only
+from fxfuse.canon_rules import is_row_slice, returned_only
 from fxfuse.pattern import Pattern, Variant
+
+from ._lce_sites import is_candidate, miss_reason
 
 aten = torch.ops.aten
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
@@ -223,6 +225,10 @@ def check(m) -> str | None:
         if tuple(scale.shape) not in ((), (1,), (vocab,)):
             return (f"logit scale of shape {list(scale.shape)} is neither per vocabulary entry ([{vocab}]) "
                     "nor one number")
+    rank = val(_logits_node(m)).dim()
+    if any(val(sl.args[0]).dim() != rank for sl in _row_slices(m)):
+        return ("the logits are sliced over rows after a reshape: only a slice of the lm_head's [..., V] output "
+                "(logits[..., :-1, :]) commutes with it")
     logits = val(m.anchor.args[0])
     if m.variant.fn is not lce_class_dim_second and (logits is None or logits.dim() != 2):
         # the canonical view elides the [N, V] row merges before cross_entropy (canon_rules._logits_chain)
@@ -246,8 +252,14 @@ def _bias_add(m) -> fx.Node:
 def _vocab_prefix(m) -> int | None:
     """V where the logits are the lm_head's output sliced to its first V columns, else None."""
     z = _logits_node(m)
-    sl = [n for n in m.region if n.target == aten.slice.Tensor and n.args[0] is z]
+    sl = [n for n in m.region if n.target == aten.slice.Tensor and n.args[0] is z and not is_row_slice(n)]
     return sl[0].args[3] if sl else None
+
+
+def _row_slices(m) -> list[fx.Node]:
+    """The row slices on the way from the lm_head to the loss (``logits[..., :-1, :]``), lm_head first."""
+    order = {n: i for i, n in enumerate(m.anchor.graph.nodes)}
+    return sorted((n for n in m.region if is_row_slice(n)), key=order.__getitem__)
 
 
 def _vocab_rows(m) -> int:
@@ -285,6 +297,8 @@ def lower(m, graph: fx.Graph, opts) -> fx.Node:
         vscale = call(aten.to.dtype, (m.inputs["s"], torch.float32))
         if tuple(val(m.inputs["s"]).shape) != (_vocab_rows(m),):
             vscale = call(aten.expand.default, (call(aten.reshape.default, (vscale, [1])), [_vocab_rows(m)]))
+    for sl in _row_slices(m):  # logits[..., :-1, :] is lm_head(x[..., :-1, :])
+        x = call(aten.slice.Tensor, (x, *sl.args[1:]), sl.kwargs)
     x = call(aten.flatten.using_ints, (x, 0, -2))
     target = call(aten.flatten.using_ints, (_target(m), 0, -1))
     s = m.scalars
@@ -303,51 +317,13 @@ def _hidden(m) -> list:
     the logits' gradient: both [N, V], both gone with the fused op."""
     from fxfuse.rewrite import bytes_of, example_shape
 
-    shape = example_shape(val(_logits_node(m)))  # at the example inputs under dynamic shapes
+    shape = example_shape(val(m.anchor.args[0]))  # [N, V] or [B, V, T], at the example inputs
     dtype = val(_logits_node(m)).dtype
-    rows, vocab = math.prod(shape) // shape[-1], shape[-1]
+    rows, vocab = math.prod(shape) // shape[1], shape[1]
     f32 = torch.empty((rows, vocab), dtype=torch.float32, device="meta")
     grad = f32.to(dtype)
     return [(f"log_softmax (in cross_entropy):float32[{rows}, {vocab}]", bytes_of(f32)),
             (f"grad of logits (backward):{str(dtype).removeprefix('torch.')}[{rows}, {vocab}]", bytes_of(grad))]
-
-
-def _from_linear(n, hops: int = 6) -> bool:
-    """n is computed from an aten.linear through a few ops on their first operand (casts, reshapes, a
-    scale or softcap): the logits of a loss head."""
-    for _ in range(hops):
-        if not isinstance(n, fx.Node) or n.op != "call_function" or not n.args:
-            return False
-        if n.target == aten.linear.default:
-            return True
-        n = n.args[0]
-    return False
-
-
-def _is_candidate(n: fx.Node) -> bool:
-    """A cross_entropy, or a log_softmax of a linear's output (a loss head spelled with gather, say)."""
-    return n.target == aten.cross_entropy_loss.default or (
-        n.target == aten.log_softmax.int and _from_linear(n.args[0]))
-
-
-_LOG_PROBS = ("a log_softmax of a linear layer's logits that no cross_entropy stands for (its log-probs read by "
-              "gather, an entropy or KL term, or taken over another dim than the classes): the [N, V] "
-              "logits and log-probs are written; the fused head computes F.cross_entropy, or F.nll_loss of "
-              "log_softmax over the classes, of the logits alone")
-
-
-def _miss_reason(ce: fx.Node) -> str | None:
-    """Log-probs of a head read another way; logits that arrive as a graph input (the lm_head ran in
-    another graph)."""
-    if ce.target == aten.log_softmax.int:
-        return _LOG_PROBS
-    n = ce.args[0]
-    while isinstance(n, fx.Node) and n.op == "call_function" and len(n.all_input_nodes) == 1:
-        n = n.all_input_nodes[0]
-    if isinstance(n, fx.Node) and n.op == "placeholder":
-        return ("the logits are an input of this graph: the lm_head ran in another graph (a graph break "
-                "between them: the report's graph breaks say where and why), so the head cannot be fused")
-    return None
 
 
 _bf, _f32, _i64 = torch.bfloat16, torch.float32, torch.int64
@@ -388,6 +364,6 @@ PATTERN = Pattern(
     may_escape=lambda n, users: returned_only(users),  # a z-loss would lose its gradient
     hidden_saved=_hidden,
     free_literals={aten.cross_entropy_loss.default: {3: "reduction"}},
-    is_candidate=_is_candidate,
-    miss_reason=_miss_reason,
+    is_candidate=is_candidate,
+    miss_reason=miss_reason,
 )

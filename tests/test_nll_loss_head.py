@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import fxfuse
-from helpers import compiled_parity, rel_err
+from helpers import assert_bf16_head_within_twice_eager, compiled_parity, rel_err
 from probe_spellings import head_fn
 
 FP32_TOL = 1e-5
@@ -67,16 +67,7 @@ def test_nll_head_bf16_within_twice_eagers_error():
     def head(x, w, t):
         return F.nll_loss(F.log_softmax(F.linear(x, w), -1, dtype=torch.float32), t)
 
-    def run(f, dtype):
-        leaves = [v.to(dtype).requires_grad_() for v in (x, w)]
-        loss = f(*leaves, t)
-        return [loss.float(), *(d.float() for d in torch.autograd.grad(loss, leaves))]
-
-    compiled = torch.compile(head, backend="fxfuse", options={"inner": "aot_eager"})
-    ref, eager, mine = run(head, torch.float32), run(head, torch.bfloat16), run(compiled, torch.bfloat16)
-    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1
-    for name, e, f, r in zip(("loss", "dx", "dw"), eager, mine, ref):
-        assert rel_err(f, r) <= 2 * rel_err(e, r), (name, rel_err(f, r), rel_err(e, r))
+    assert_bf16_head_within_twice_eager(head, x, w, t)
 
 
 def _log_probs_also_read(x, w, t):
@@ -107,16 +98,16 @@ def test_nll_that_is_no_cross_entropy_is_left_as_written(fn):
     assert site.reason.startswith("a log_softmax of a linear layer's logits that no cross_entropy"), site.reason
 
 
-def test_per_token_log_probs_by_gather_are_reported():
-    """RL losses' per-token log-probs (log_softmax, then gather of the taken tokens): no cross_entropy in
-    the graph, so before, the report said nothing about the head; now it names it and why."""
-    def token_log_probs(x, w, t):
-        return F.log_softmax(F.linear(x, w).float(), -1).gather(-1, t[:, None]).squeeze(-1)
+def test_log_probs_gathered_at_two_tokens_per_row_are_reported():
+    """Log-probs gathered at two indices per row (no cross_entropy computes that): the report names the
+    head and why. One index per row is fused (tests/test_linear_cross_entropy_spellings.py)."""
+    def top2_log_probs(x, w, t):
+        return F.log_softmax(F.linear(x, w).float(), -1).gather(-1, t)
 
-    report = fxfuse.explain(token_log_probs, torch.randn(12, 16), torch.randn(V, 16), torch.randint(0, V, (12,)))
+    report = fxfuse.explain(top2_log_probs, torch.randn(12, 16), torch.randn(V, 16), torch.randint(0, V, (12, 2)))
     assert report.counts()["linear_cross_entropy"] == 0
     (site,) = report.unmatched
-    assert site.pattern == "linear_cross_entropy" and "gather" in site.reason, str(report)
+    assert site.pattern == "linear_cross_entropy" and "gathered at more than" in site.reason, str(report)
 
 
 @pytest.mark.parametrize("layout", ["2d", "view", "flatten"])
