@@ -43,7 +43,8 @@ log_softmax(z)[t] = z[t] - logsumexp(z) = -cross_entropy(z, t) for one row, so t
 within one rounding (the cross_entropy rounds once where the spellings round the log-probs and their
 difference) and the gradients are the same math. Eager gather raises on an index outside [0, V); so
 does cross_entropy, whose ignore_index NO_CLASS (int64's least value) no index takes. Only where the
-gather's index is [..., 1] over the logits' leading dims (one token per row), over the last dim, and
+gather is over the last dim with an index [..., 1] (one token per row; gather reads the first rows
+where the index has fewer, so the logits are sliced to its sizes unless they are known equal), and
 each node replaced (the log_softmax; the gather, its squeeze, the logsumexp) is read by the next alone.
 """
 from __future__ import annotations
@@ -204,16 +205,27 @@ def _last_dim(n: fx.Node, dim) -> bool:
 
 def _one_token_gather(g) -> tuple[fx.Node, fx.Node] | None:
     """(source, index) where g gathers one entry per row over the last dim: gather(src, -1, index) with
-    index [..., 1] over src's leading dims."""
+    index [..., 1] (its leading sizes at most src's, as gather requires: see _leading_rows)."""
     if not (isinstance(g, fx.Node) and g.op == "call_function" and g.target == aten.gather.default
             and _last_dim(g.args[0], g.args[1]) and not g.kwargs.get("sparse_grad", False)):
         return None
     src, index = val(g.args[0]), val(g.args[2])
     if not isinstance(index, torch.Tensor) or index.dim() != src.dim() or not statically_known_true(
-            index.shape[-1] == 1) or not all(statically_known_true(a == b) for a, b in zip(index.shape[:-1],
-                                                                                            src.shape[:-1])):
+            index.shape[-1] == 1):
         return None
     return g.args[0], g.args[2]
+
+
+def _leading_rows(graph: fx.Graph, z: fx.Node, index: fx.Node, like: fx.Node) -> fx.Node:
+    """z[:i0, :i1, ...] for index [i0, i1, ..., 1]: the rows gather reads. A no-op where the sizes are
+    known equal; under dynamic shapes the token ids' and the logits' row counts are often separate
+    symbols (gather does not require them equal), so the slice (a row slice the loss head takes over)
+    is written with the index's size."""
+    for d, (a, b) in enumerate(zip(val(index).shape[:-1], val(z).shape[:-1])):
+        if not statically_known_true(a == b):
+            size = a if isinstance(a, int) else _fresh(graph, aten.sym_size.int, (index, d), like)
+            z = _fresh(graph, aten.slice.Tensor, (z, d, 0, size), like)
+    return z
 
 
 def _squeezed(n: fx.Node) -> fx.Node | None:
@@ -226,7 +238,7 @@ def _squeezed(n: fx.Node) -> fx.Node | None:
 
 def _minus_ce(graph: fx.Graph, z: fx.Node, index: fx.Node, like: fx.Node, squeeze: bool) -> fx.Node:
     """-cross_entropy(z, index, reduction="none") per row, in index's shape [..., 1] (or squeezed)."""
-    rows = _fresh(graph, aten.flatten.using_ints, (z, 0, -2), like)
+    rows = _fresh(graph, aten.flatten.using_ints, (_leading_rows(graph, z, index, like), 0, -2), like)
     target = _fresh(graph, aten.flatten.using_ints, (index,), like)
     ce = _fresh(graph, aten.cross_entropy_loss.default, (rows, target, None, 0, NO_CLASS, 0.0), like)
     out = _fresh(graph, aten.view_as.default, (_fresh(graph, aten.neg.default, (ce,), like), index), like)

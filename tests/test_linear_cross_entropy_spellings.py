@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxfuse
-from helpers import assert_bf16_head_within_twice_eager, compiled_parity, rel_err
+from helpers import assert_bf16_head_within_twice_eager, compiled_parity, loss_and_grads, rel_err
 
 FP32_TOL = 1e-5
 V, H = 70, 24
@@ -202,6 +202,40 @@ def test_per_token_log_probs_fused_with_parity(logps):
     assert not report.unmatched and not report.errors, str(report)
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
     assert names == ["lin.weight"]
+
+
+def test_per_token_log_probs_one_compile_across_lengths():
+    """dynamic=True: the token ids' and the logits' row counts are separate symbols (gather does not
+    require them equal), so the respelling slices the logits to the ids' rows; still fused, one compile."""
+    model = PolicyHead(logps_gather)
+    compiled = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"}, dynamic=True)
+    seen = []
+    for t in (6, 9, 14):
+        inputs = _policy_inputs(t=t, seed=t)
+        ref_loss, ref_grads = loss_and_grads(model, inputs, loss_fn=lambda out: out)
+        loss, grads = loss_and_grads(model, inputs, loss_fn=lambda out: out, call=compiled)
+        assert rel_err(loss, ref_loss) < FP32_TOL and rel_err(grads["lin.weight"], ref_grads["lin.weight"]) < FP32_TOL
+        seen.append(len(fxfuse.compiled_reports()))
+    assert seen[0] == seen[1] == seen[2], "the backend compiled again for a new sequence length"
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1, str(fxfuse.last_report())
+
+
+def test_gather_of_fewer_rows_than_the_logits():
+    """gather takes an index with fewer rows than its input and reads the first ones: the fused head
+    reads the same rows (the logits sliced to the index's sizes, a row slice of the lm_head)."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(3, 7, H, generator=g), torch.randn(V, H, generator=g).requires_grad_()
+    t = torch.randint(0, V, (2, 5), generator=g)
+
+    def head(x, w, t):
+        return logps_gather(F.linear(x, w), t)
+
+    got = torch.compile(head, backend="fxfuse", options={"inner": "aot_eager"})(x, w, t)
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1, str(fxfuse.last_report())
+    ref = head(x, w, t)
+    assert got.shape == (2, 5) and rel_err(got, ref) < FP32_TOL
+    dw, dw_ref = (torch.autograd.grad(v.sum(), w)[0] for v in (got, ref))
+    assert rel_err(dw, dw_ref) < FP32_TOL
 
 
 def test_per_token_log_probs_values_under_inductor():
