@@ -1,8 +1,8 @@
-"""RL policy losses compiled with the policy model: the whole step fused, the loss head included.
+"""RL and preference losses compiled with the policy model: the whole step fused, the loss head included.
 
 The per-token log-probs come from the model's returned logits, shifted by one token, over a sampling
-temperature, spelled as TRL (``selective_log_softmax``, its fp32 branch) and verl
-(``log_softmax(...).gather``) write them; compiled as one function with the model, the logits are an
+temperature, spelled as TRL (``selective_log_softmax``, its fp32 branch; DPO's ``get_batch_logps``) and
+verl (``log_softmax(...).gather``) write them; compiled as one function with the model, the logits are an
 interior value and the head fuses (fxfuse/respell.py, the row slice of canon_rules). Each loss: every
 site of the tiny HF Llama matched, loss and every gradient as eager's in fp32.
 """
@@ -40,6 +40,19 @@ def pg_verl(model, ids, mask, adv, old_logps):
     return ((-logps * adv[:, None] + 0.05 * kl) * mask).sum() / mask.sum()
 
 
+def dpo_trl(model, ids, mask, adv, old_logps):
+    """DPO on a chosen / rejected pair, the reference model's log-probs given (TRL's get_batch_logps:
+    the -100 labels set to 0 in place, then masked out)."""
+    labels = ids[:, 1:].masked_fill(mask == 0, -100)
+    logits = model(input_ids=ids).logits[:, :-1, :]
+    loss_mask = labels != -100
+    labels = labels.clone()
+    labels[labels == -100] = 0
+    logps = (torch.gather(logits.log_softmax(-1), dim=2, index=labels.unsqueeze(2)).squeeze(2) * loss_mask).sum(-1)
+    ref = (old_logps * mask).sum(-1)
+    return -F.logsigmoid(0.1 * ((logps[0] - ref[0]) - (logps[1] - ref[1])))
+
+
 def _inputs(t: int = 9) -> tuple:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 96, (2, t), generator=g)
@@ -48,7 +61,7 @@ def _inputs(t: int = 9) -> tuple:
     return ids, mask, torch.randn(2, generator=g), -4.5 + 0.1 * torch.randn(2, t - 1, generator=g)
 
 
-@pytest.mark.parametrize("loss_fn", [grpo_trl, pg_verl])
+@pytest.mark.parametrize("loss_fn", [grpo_trl, pg_verl, dpo_trl])
 def test_rl_loss_compiled_with_the_model_fuses_every_site(loss_fn):
     model, inputs = hf_model("llama"), _inputs()
     ref = loss_fn(model, *inputs)
