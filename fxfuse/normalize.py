@@ -28,6 +28,7 @@ from . import opaque
 from .canon_rules import CASTS, fake_call
 from .checkpoint import inline_checkpoints
 from .respell import canonical_keepdim, canonical_log_probs, canonical_nll
+from .unstack import canonical_unstack
 
 
 def _fakify(gm: fx.GraphModule, example_inputs, fake_mode):
@@ -307,6 +308,7 @@ def canonical_ops(graph: fx.Graph) -> None:
     canonical_linear(graph)
     canonical_keepdim(graph)
     canonical_nll(graph)
+    canonical_unstack(graph)
     canonical_log_probs(graph)
 
 

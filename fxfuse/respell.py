@@ -35,7 +35,7 @@ cross-entropy:
 
     F.log_softmax(z, -1).gather(-1, t.unsqueeze(-1)).squeeze(-1)              # verl, RL per-token logps
     z.gather(-1, t.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, -1)         # TRL's selective_log_softmax
-    ... - torch.stack([torch.logsumexp(row, -1) for row in z])                  # (its loop over rows)
+    (a loop over the batch rows of either, stacked, is batched first: fxfuse/unstack.py)
     -F.cross_entropy(z.flatten(0, -2), t.flatten(), reduction="none",         # what they become (in the
                      ignore_index=NO_CLASS).view_as(...)                       # gather's / the sub's shape)
 
@@ -276,36 +276,8 @@ def _gather_minus_logsumexp(n: fx.Node):
     return found[0], found[1], None, tuple(dict.fromkeys((n, a, g, lse)))
 
 
-def _row_logsumexps(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
-    """(z, nodes to erase) where n is ``torch.stack([torch.logsumexp(row, -1) for row in z])`` (TRL's
-    loop, row by row to save memory in eager): the logsumexp of every row of z in order, each read once."""
-    if n.op != "call_function" or n.target != aten.stack.default or (n.args[1:] or (0,))[0] != 0:
-        return None
-    parts, z = [], None
-    for i, lse in enumerate(n.args[0]):
-        if not (isinstance(lse, fx.Node) and lse.target == aten.logsumexp.default and len(lse.users) == 1
-                and len(lse.args[1]) == 1 and not (lse.args[2:] or (lse.kwargs.get("keepdim", False),))[0]):
-            return None
-        row = lse.args[0]
-        if not (row.op == "call_function" and row.target == aten.select.int and len(row.users) == 1
-                and row.args[1] == 0 and row.args[2] == i and (z is None or row.args[0] is z)):
-            return None
-        z, rank = row.args[0], val(row).dim()
-        if rank == 0 or lse.args[1][0] % rank != rank - 1:
-            return None
-        parts += [lse, row]
-    return (z, parts) if z is not None and statically_known_true(val(z).shape[0] == len(n.args[0])) else None
-
-
 def canonical_log_probs(graph: fx.Graph) -> None:
     """The per-token log-prob rewrite of the module doc."""
-    for n in list(graph.nodes):
-        if (rows := _row_logsumexps(n)) is not None:
-            with graph.inserting_before(n):
-                lse = _fresh(graph, aten.logsumexp.default, (rows[0], [-1]), n)
-            n.replace_all_uses_with(lse)
-            for e in (n, *rows[1]):
-                graph.erase_node(e)
     for n in list(graph.nodes):
         if n.op != "call_function":
             continue

@@ -164,11 +164,11 @@ def logps_unsqueezed(z, t):
 
 
 def logps_row_loop(z, t):
-    """TRL's bf16 selective_log_softmax: one row's log_softmax at a time (left unfused)."""
+    """TRL's bf16 selective_log_softmax: one row's log_softmax at a time (batched: fxfuse/unstack.py)."""
     return torch.stack([F.log_softmax(zr, -1).gather(-1, tr[:, None]).squeeze(-1) for zr, tr in zip(z, t)])
 
 
-LOGPS = [logps_gather, logps_logsumexp, logps_logsumexp_keepdim, logps_trl_rows, logps_unsqueezed]
+LOGPS = [logps_gather, logps_logsumexp, logps_logsumexp_keepdim, logps_trl_rows, logps_row_loop, logps_unsqueezed]
 
 
 class PolicyHead(nn.Module):
@@ -312,18 +312,6 @@ def test_log_probs_that_are_no_cross_entropy_are_left_as_written(logps):
     assert rel_err(got, head(x, w, t)) < FP32_TOL
 
 
-def test_per_row_python_loop_is_reported():
-    """TRL's bf16 selective_log_softmax: a log_softmax per batch row. Each row's head reads the one lm_head
-    output, so none is fused; the report says so and how to write it instead."""
-    def head(x, w, t):
-        return logps_row_loop(F.linear(x, w), t)
-
-    x, w, t = torch.randn(2, 5, H), torch.randn(V, H), torch.randint(0, V, (2, 5))
-    report = fxfuse.explain(head, x, w, t)
-    assert report.counts()["linear_cross_entropy"] == 0
-    assert len(report.unmatched) == 2 and all("one row at a time" in s.reason for s in report.unmatched), str(report)
-
-
 def test_bench_log_probs_case_is_fused_and_agrees_with_eager():
     """bench_linear_cross_entropy.py --log-probs on CPU: fxfuse-compiled fuses the verl spelling it times,
     and it and the bare ops (reduction "none", no index ignored) give eager's loss and gradients."""
@@ -351,8 +339,7 @@ def test_bench_log_probs_case_is_fused_and_agrees_with_eager():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["shift", "gather", "trl_rows", "row_loop"])
 def test_spellings_on_cuda_under_inductor(case):
-    """The same heads on CUDA, Inductor compiling the rest: fused (the row loop: respelled per row to a
-    cross_entropy that ignores no index, left to Inductor), fp32 loss and gradients as eager's."""
+    """The same heads on CUDA, Inductor compiling the rest: fused, fp32 loss and gradients as eager's."""
     torch.manual_seed(0)
     if case == "shift":
         model, inputs, loss_fn = ShiftHead("gpt2"), _shift_inputs(t=33), (lambda out: out[0])
@@ -361,5 +348,5 @@ def test_spellings_on_cuda_under_inductor(case):
         model, inputs, loss_fn = PolicyHead(logps), _policy_inputs(b=4, t=33), (lambda out: out)
     inputs = {k: v.cuda() for k, v in inputs.items()}
     loss_err, grad_err, report, _ = compiled_parity(model.cuda(), inputs, inner="inductor", loss_fn=loss_fn)
-    assert report.counts()["linear_cross_entropy"] == (case != "row_loop"), str(report)
+    assert report.counts()["linear_cross_entropy"] == 1, str(report)
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)

@@ -1,7 +1,7 @@
 """RL and preference losses compiled with the policy model: the whole step fused, the loss head included.
 
 The per-token log-probs come from the model's returned logits, shifted by one token, over a sampling
-temperature, spelled as TRL (``selective_log_softmax``, its fp32 branch; DPO's ``get_batch_logps``) and
+temperature, spelled as TRL (``selective_log_softmax``, both branches; DPO's ``get_batch_logps``) and
 verl (``log_softmax(...).gather``) write them; compiled as one function with the model, the logits are an
 interior value and the head fuses (fxfuse/respell.py, the row slice of canon_rules). Each loss: every
 site of the tiny HF Llama matched, loss and every gradient as eager's in fp32.
@@ -23,13 +23,26 @@ def selective_log_softmax(logits, index):
     return selected - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
 
 
-def grpo_trl(model, ids, mask, adv, old_logps):
+def selective_log_softmax_rows(logits, index):
+    """TRL's, for bf16 logits (run here on fp32 ones): one row's log_softmax and gather at a time."""
+    per_token_logps = []
+    for row_logits, row_labels in zip(logits, index):
+        row_logps = F.log_softmax(row_logits, dim=-1)
+        per_token_logps.append(row_logps.gather(dim=-1, index=row_labels.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(per_token_logps)
+
+
+def grpo_trl(model, ids, mask, adv, old_logps, selective=selective_log_softmax):
     """GRPO with a clipped ratio against the sampling policy's log-probs (TRL's GRPOTrainer, simplified)."""
     logits = model(input_ids=ids).logits[:, :-1, :] / 0.7
-    logps = selective_log_softmax(logits, ids[:, 1:])
+    logps = selective(logits, ids[:, 1:])
     ratio = torch.exp(logps - old_logps)
     per_token = -torch.min(ratio * adv[:, None], torch.clamp(ratio, 0.8, 1.2) * adv[:, None])
     return (per_token * mask).sum() / mask.sum()
+
+
+def grpo_trl_rows(model, ids, mask, adv, old_logps):
+    return grpo_trl(model, ids, mask, adv, old_logps, selective=selective_log_softmax_rows)
 
 
 def pg_verl(model, ids, mask, adv, old_logps):
@@ -61,7 +74,7 @@ def _inputs(t: int = 9) -> tuple:
     return ids, mask, torch.randn(2, generator=g), -4.5 + 0.1 * torch.randn(2, t - 1, generator=g)
 
 
-@pytest.mark.parametrize("loss_fn", [grpo_trl, pg_verl, dpo_trl])
+@pytest.mark.parametrize("loss_fn", [grpo_trl, grpo_trl_rows, pg_verl, dpo_trl])
 def test_rl_loss_compiled_with_the_model_fuses_every_site(loss_fn):
     model, inputs = hf_model("llama"), _inputs()
     ref = loss_fn(model, *inputs)
