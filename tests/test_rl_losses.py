@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import fxfuse
 from helpers import hf_model, rel_err
+from test_unstack import trl_bf16_branch  # TRL's selective_log_softmax for bf16 logits
 
 FP32_TOL = 1e-5
 LLAMA_SITES = {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}
@@ -21,15 +22,6 @@ def selective_log_softmax(logits, index):
     """TRL's, for fp32 logits: the taken token's logit minus each row's logsumexp, one batch row at a time."""
     selected = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
     return selected - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-
-
-def selective_log_softmax_rows(logits, index):
-    """TRL's, for bf16 logits (run here on fp32 ones): one row's log_softmax and gather at a time."""
-    per_token_logps = []
-    for row_logits, row_labels in zip(logits, index):
-        row_logps = F.log_softmax(row_logits, dim=-1)
-        per_token_logps.append(row_logps.gather(dim=-1, index=row_labels.unsqueeze(-1)).squeeze(-1))
-    return torch.stack(per_token_logps)
 
 
 def grpo_trl(model, ids, mask, adv, old_logps, selective=selective_log_softmax):
@@ -42,7 +34,7 @@ def grpo_trl(model, ids, mask, adv, old_logps, selective=selective_log_softmax):
 
 
 def grpo_trl_rows(model, ids, mask, adv, old_logps):
-    return grpo_trl(model, ids, mask, adv, old_logps, selective=selective_log_softmax_rows)
+    return grpo_trl(model, ids, mask, adv, old_logps, selective=trl_bf16_branch)
 
 
 def pg_verl(model, ids, mask, adv, old_logps):
