@@ -80,3 +80,19 @@ def test_rl_loss_compiled_with_the_model_fuses_every_site(loss_fn):
     assert report.counts() == LLAMA_SITES and not report.unmatched, str(report)
     assert rel_err(loss, ref) < FP32_TOL
     assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < FP32_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss_fn", [grpo_trl_rows, pg_verl])
+def test_rl_loss_on_cuda_under_inductor(loss_fn):
+    """The same on CUDA with Inductor compiling the rest (the fused head's CUDA kernels)."""
+    model, inputs = hf_model("llama").cuda(), [v.cuda() for v in _inputs(t=33)]
+    ref = loss_fn(model, *inputs)
+    ref_grads = torch.autograd.grad(ref, list(model.parameters()))
+    n0 = len(fxfuse.compiled_reports())
+    loss = torch.compile(loss_fn, backend="fxfuse")(model, *inputs)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    report = fxfuse.Report.merge(fxfuse.compiled_reports()[n0:])
+    assert report.counts() == LLAMA_SITES and not report.unmatched, str(report)
+    assert rel_err(loss, ref) < FP32_TOL
+    assert max(rel_err(g, r) for g, r in zip(grads, ref_grads)) < FP32_TOL
