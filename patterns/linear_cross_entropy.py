@@ -31,7 +31,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxfuse.canon import val
-from fxfuse.canon_rules import is_row_slice, returned_only
+from fxfuse.canon_rules import CASTS, is_row_slice, returned_only
 from fxfuse.pattern import Pattern, Variant
 
 from ._lce_sites import is_candidate, miss_reason
@@ -225,10 +225,9 @@ def check(m) -> str | None:
         if tuple(scale.shape) not in ((), (1,), (vocab,)):
             return (f"logit scale of shape {list(scale.shape)} is neither per vocabulary entry ([{vocab}]) "
                     "nor one number")
-    rank = val(_logits_node(m)).dim()
-    if any(val(sl.args[0]).dim() != rank for sl in _row_slices(m)):
-        return ("the logits are sliced over rows after a reshape: only a slice of the lm_head's [..., V] output "
-                "(logits[..., :-1, :]) commutes with it")
+    if not all(_slices_lm_head_rows(m, sl) for sl in _row_slices(m)):
+        return ("the logits are sliced over rows after a reshape or transpose: only a slice of the lm_head's "
+                "[..., V] output as laid out in x (logits[..., :-1, :]) commutes with it")
     logits = val(m.anchor.args[0])
     if m.variant.fn is not lce_class_dim_second and (logits is None or logits.dim() != 2):
         # the canonical view elides the [N, V] row merges before cross_entropy (canon_rules._logits_chain)
@@ -260,6 +259,21 @@ def _row_slices(m) -> list[fx.Node]:
     """The row slices on the way from the lm_head to the loss (``logits[..., :-1, :]``), lm_head first."""
     order = {n: i for i, n in enumerate(m.anchor.graph.nodes)}
     return sorted((n for n in m.region if is_row_slice(n)), key=order.__getitem__)
+
+
+def _slices_lm_head_rows(m, sl: fx.Node) -> bool:
+    """Between the lm_head and the row slice sl only elementwise ops, casts and other row slices: sl's
+    dim is the same dim of x."""
+    n, z = sl.args[0], _logits_node(m)
+    while n is not z:
+        if not (is_row_slice(n) or n.target in (*CASTS, aten.contiguous.default) or (
+                isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags)):
+            return False
+        inputs = [a for a in n.all_input_nodes if a in m.region]
+        if len(inputs) != 1:
+            return False
+        n = inputs[0]
+    return True
 
 
 def _vocab_rows(m) -> int:
