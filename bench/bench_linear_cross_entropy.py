@@ -43,7 +43,6 @@ DEFAULT_SHAPES = ("8192x4096x128256", "16384x2048x32000")
 # torch.compile(backend="fxfuse") (inner Inductor; loss_head "auto" = fast, or "lean"): the user's path
 LCE_PROVIDERS = (*PROVIDERS, "fxfuse-fast", "fxfuse-compiled", "fxfuse-compiled-lean", "matmuls", "matmuls-passes")
 IGNORE_INDEX = -100
-NO_CLASS = torch.iinfo(torch.int64).min  # --log-probs: the fused op's ignore_index that no token takes
 
 
 def lce_bytes(n: int, h: int, v: int, element_size: int, bias: bool = False, frozen_weight: bool = False) -> int:
@@ -160,7 +159,9 @@ def _provider_fn(provider: str, args):
             return (lambda x, w, b, t, s: torch.ops.fxfuse.linear_cross_entropy(
                 x, w, b, t, IGNORE_INDEX, "mean", args.label_smoothing, 0.0, 1.0, algorithm, False, False,
                 s.float())), ""
-        if args.log_probs:  # no index ignored: the backend's respelling (fxfuse/respell.py) passes the same
+        if args.log_probs:  # no index ignored, as the backend's respelling passes it
+            from fxfuse.respell import NO_CLASS
+
             return (lambda x, w, b, t, s: _policy_loss(-torch.ops.fxfuse.linear_cross_entropy(
                 x, w, b, t, NO_CLASS, "none", 0.0, 0.0, 1.0, algorithm), t)), ""
         return (lambda x, w, b, t, s: torch.ops.fxfuse.linear_cross_entropy(x, w, b, t, *extra, algorithm)), ""
@@ -290,7 +291,8 @@ def main() -> None:
     add_args(parser)
     args = parser.parse_args()
     if args.log_probs and (args.vocab_scale or args.softcap or args.logit_scale != 1.0 or args.label_smoothing):
-        parser.error("--log-probs times the plain head: no --vocab-scale, --softcap, --logit-scale or --label-smoothing")
+        parser.error("--log-probs times the plain head: "
+                     "no --vocab-scale, --softcap, --logit-scale or --label-smoothing")
     run(args)
 
 

@@ -177,19 +177,19 @@ def canonical_nll(graph: fx.Graph) -> None:
             z = softmax.args[0]
             dtype = softmax.args[2] if len(softmax.args) > 2 else softmax.kwargs.get("dtype")
             if dtype is not None:
-                z = _fresh(graph, aten.to.dtype, (z, dtype), softmax)
+                z = fresh_node(graph, aten.to.dtype, (z, dtype), softmax)
             if layout is not None:  # the same transpose / reshape, before the softmax instead of after; a
                 # view becomes a reshape: z may have strides no view of it can take where the softmax's
                 # fresh output had
                 target = layout.target if layout.target == aten.transpose.int else aten.reshape.default
-                z = _fresh(graph, target, (z, *layout.args[1:]), layout)
-            ce = _fresh(graph, aten.cross_entropy_loss.default, (z, *nll.args[1:]), nll, nll.kwargs)
+                z = fresh_node(graph, target, (z, *layout.args[1:]), layout)
+            ce = fresh_node(graph, aten.cross_entropy_loss.default, (z, *nll.args[1:]), nll, nll.kwargs)
         nll.replace_all_uses_with(ce)
         for n in (nll, *([layout] if layout is not None else []), softmax):
             graph.erase_node(n)
 
 
-def _fresh(graph: fx.Graph, target, args: tuple, like: fx.Node, kwargs: dict | None = None) -> fx.Node:
+def fresh_node(graph: fx.Graph, target, args: tuple, like: fx.Node, kwargs: dict | None = None) -> fx.Node:
     """A new node target(*args) with like's metadata (module path, stack trace) and its own value
     (computed in like's fake mode)."""
     n = graph.call_function(target, args, dict(kwargs or {}))
@@ -223,8 +223,8 @@ def _leading_rows(graph: fx.Graph, z: fx.Node, index: fx.Node, like: fx.Node) ->
     is written with the index's size."""
     for d, (a, b) in enumerate(zip(val(index).shape[:-1], val(z).shape[:-1])):
         if not statically_known_true(a == b):
-            size = a if isinstance(a, int) else _fresh(graph, aten.sym_size.int, (index, d), like)
-            z = _fresh(graph, aten.slice.Tensor, (z, d, 0, size), like)
+            size = a if isinstance(a, int) else fresh_node(graph, aten.sym_size.int, (index, d), like)
+            z = fresh_node(graph, aten.slice.Tensor, (z, d, 0, size), like)
     return z
 
 
@@ -238,11 +238,11 @@ def _squeezed(n: fx.Node) -> fx.Node | None:
 
 def _minus_ce(graph: fx.Graph, z: fx.Node, index: fx.Node, like: fx.Node, squeeze: bool) -> fx.Node:
     """-cross_entropy(z, index, reduction="none") per row, in index's shape [..., 1] (or squeezed)."""
-    rows = _fresh(graph, aten.flatten.using_ints, (_leading_rows(graph, z, index, like), 0, -2), like)
-    target = _fresh(graph, aten.flatten.using_ints, (index,), like)
-    ce = _fresh(graph, aten.cross_entropy_loss.default, (rows, target, None, 0, NO_CLASS, 0.0), like)
-    out = _fresh(graph, aten.view_as.default, (_fresh(graph, aten.neg.default, (ce,), like), index), like)
-    return _fresh(graph, aten.squeeze.dim, (out, -1), like) if squeeze else out
+    rows = fresh_node(graph, aten.flatten.using_ints, (_leading_rows(graph, z, index, like), 0, -2), like)
+    target = fresh_node(graph, aten.flatten.using_ints, (index,), like)
+    ce = fresh_node(graph, aten.cross_entropy_loss.default, (rows, target, None, 0, NO_CLASS, 0.0), like)
+    out = fresh_node(graph, aten.view_as.default, (fresh_node(graph, aten.neg.default, (ce,), like), index), like)
+    return fresh_node(graph, aten.squeeze.dim, (out, -1), like) if squeeze else out
 
 
 def _log_softmax_gather(n: fx.Node):
@@ -287,7 +287,7 @@ def canonical_log_probs(graph: fx.Graph) -> None:
         z, index, dtype, erased = found
         with graph.inserting_before(n):
             if dtype is not None:
-                z = _fresh(graph, aten.to.dtype, (z, dtype), n)
+                z = fresh_node(graph, aten.to.dtype, (z, dtype), n)
             out = _minus_ce(graph, z, index, n, squeeze=val(n).dim() < val(index).dim())
         n.replace_all_uses_with(out)
         for e in erased:

@@ -19,7 +19,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .canon_rules import fake_call, val
+from .canon_rules import val
+from .respell import fresh_node
 
 aten = torch.ops.aten
 
@@ -112,11 +113,8 @@ def _batched(graph: fx.Graph, n, memo: dict, like: fx.Node, common: set):
         args[pos] = [d - rank if d >= 0 else d for d in dims] if isinstance(dims, list) else (
             dims - rank if dims >= 0 else dims)
     kwargs = {k: _batched(graph, a, memo, like, common) for k, a in n.kwargs.items()}
-    new = graph.call_function(n.target, tuple(args), kwargs)
-    new.meta.update({k: v for k, v in like.meta.items() if k != "tensor_meta"})
-    new.meta["val"] = fake_call(n.target, new)
-    memo[n] = new
-    return new
+    memo[n] = fresh_node(graph, n.target, tuple(args), like, kwargs)
+    return memo[n]
 
 
 def _dims_known(n: fx.Node, common: set) -> bool:
@@ -163,8 +161,8 @@ def canonical_unstack(graph: fx.Graph) -> None:
             for m in reversed([m for m in memo.values() if m.op == "call_function" and m not in graph_before]):
                 graph.erase_node(m)
             continue
-        per_row = {m for r in rows for m in _nodes(r, common)} | {
-            a for r in rows for m in _nodes(r, common) for a in m.all_input_nodes if _per_row(a, common)}
+        ops = {m for r in rows for m in _nodes(r, common)}
+        per_row = ops | {a for m in ops for a in m.all_input_nodes if _per_row(a, common)}
         n.replace_all_uses_with(out)
         graph.erase_node(n)
         for m in reversed(list(graph.nodes)):  # the rows' own nodes, where nothing else reads them
