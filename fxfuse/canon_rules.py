@@ -62,7 +62,8 @@ def _is_reciprocal_sqrt(n) -> bool:
 
 def _logistic_exp(n) -> fx.Node | None:
     """The exp node where n is ``1 + exp(-b)`` (either operand order), its exp and neg used only there."""
-    if not (isinstance(n, fx.Node) and n.target == aten.add.Tensor and len(n.args) == 2):
+    if not (isinstance(n, fx.Node) and n.target == aten.add.Tensor and len(n.args) == 2
+            and all(k == "alpha" and v == 1 for k, v in n.kwargs.items())):  # 1 + alpha * exp(-b): alpha 1 only
         return None
     e, one = n.args if isinstance(n.args[0], fx.Node) else n.args[::-1]
     if one != 1 or isinstance(one, bool) or not isinstance(e, fx.Node) or e.target != aten.exp.default:
@@ -192,6 +193,13 @@ def _to_f32_same_device(n: fx.Node) -> bool:
 
 RETURN_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
                 aten.detach.default)
+
+
+def uncast(n):
+    """n with the casts on its way stripped: the node they cast."""
+    while isinstance(n, fx.Node) and n.target in CASTS:
+        n = n.args[0]
+    return n
 
 
 def returned_only(users) -> bool:

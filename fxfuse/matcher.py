@@ -77,6 +77,21 @@ def _edge_match(ge, pe) -> bool:
     return sorted(d["pos"] for d in ge.values()) == sorted(d["pos"] for d in pe.values())
 
 
+# the grad-mode switches Dynamo keeps in a graph: torch.no_grad() / enable_grad, inference_mode
+GRAD_MODE_SWITCHES = {torch._C._set_grad_enabled, torch.autograd.grad_mode._enter_inference_mode,
+                      torch.autograd.grad_mode._exit_inference_mode}
+
+
+def grad_segments(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Each node's grad-mode segment: how many grad-mode switches precede it in graph order. Nodes of
+    one segment run in one grad mode; a fused op differentiates all it computes or none of it."""
+    seg, out = 0, {}
+    for n in graph.nodes:
+        seg += n.op == "call_function" and n.target in GRAD_MODE_SWITCHES
+        out[n] = seg
+    return out
+
+
 class GraphMatcher:
     """Matches patterns against one FX graph; rebuild after each rewrite."""
 
@@ -86,6 +101,7 @@ class GraphMatcher:
         self.view, self.vnodes, self.alias = build_view(graph)
         self.rview = self.view.reverse(copy=False)
         self.order = {n: i for i, n in enumerate(graph.nodes)}
+        self.segment = grad_segments(graph)
 
     def find(self, pattern: Pattern) -> tuple[list[Match], list[Miss]]:
         claimed: set[fx.Node] = set()  # FX nodes inside accepted matches
@@ -105,7 +121,7 @@ class GraphMatcher:
                 if not region or region & claimed:
                     continue  # no structural match, or inside a larger accepted one
                 if m is not None:
-                    reason = pattern.check(m)
+                    reason = _checked(pattern, m)
                 if reason is None:
                     matches.append(m)
                     claimed |= m.region
@@ -198,6 +214,11 @@ class GraphMatcher:
                     "spans an activation-checkpoint boundary (part of it is recomputed in backward, part "
                     "is not); fusing would change what is recomputed")
                 continue
+            if len({self.segment[n] for n in region}) > 1:
+                first_reason = first_reason or (
+                    "spans a grad-mode switch (torch.no_grad(), enable_grad or inference_mode): part of it "
+                    "computes no gradient, and one fused op would differentiate all of it")
+                continue
             sources = self._specialize(binds, mapping, pvn)
             computed = [(s, sources.get(s)) for s, v in binds.items() if v is EDGE]
             if computed:
@@ -225,3 +246,13 @@ def _feasible(g: VNode, p: VNode, g_is_anchor: bool, p_is_anchor: bool) -> bool:
     if p.label == "*":
         return True
     return g.label == p.label and _lits_match(p.lits, g.lits)
+
+
+def _checked(pattern: Pattern, m: Match) -> str | None:
+    """pattern.check(m); a check that raises keeps this site unfused, with the error as its reason,
+    instead of leaving the whole graph unfused."""
+    try:
+        return pattern.check(m)
+    except Exception as e:  # noqa: BLE001  any failure of a check refuses its match only
+        return (f"{pattern.name}'s check failed ({type(e).__name__}: {e}): kept as written (an fxfuse bug: "
+                "please report it)")

@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from .canon import CASTS, is_noop_cast, val
-from .matcher import GraphMatcher, Match
+from .matcher import GraphMatcher, Match, grad_segments
 from .normalize import eliminate_dead_code
 from .options import Options
 from .pattern import Pattern
@@ -136,11 +136,12 @@ def _placed_groups(pattern: Pattern, matches: list[Match], graph: fx.Graph
     if no anchor is used before that (gpt-fast computes k's input after q's rotation) or used only
     by views that can follow the call (Gemma 4 transposes q before it projects k); a group that fits
     none of these is split."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order, segment = {n: i for i, n in enumerate(graph.nodes)}, grad_segments(graph)
     groups = pattern.group(matches) if pattern.group else [[m] for m in matches]
-    # one fused call never spans two activation-checkpointed regions (nor a region and the outside)
-    groups = [[m for m in g if m.anchor.meta.get("ac_graph_id") == ac]
-              for g in groups for ac in dict.fromkeys(m.anchor.meta.get("ac_graph_id") for m in g)]
+    # one fused call never spans two activation-checkpointed regions (nor a region and the outside),
+    # nor two grad modes
+    place = lambda m: (m.anchor.meta.get("ac_graph_id"), segment[m.anchor])  # noqa: E731
+    groups = [[m for m in g if place(m) == where] for g in groups for where in dict.fromkeys(map(place, g))]
     out = []
     for g in groups:
         first = min((m.anchor for m in g), key=order.__getitem__)
@@ -148,6 +149,8 @@ def _placed_groups(pattern: Pattern, matches: list[Match], graph: fx.Graph
         first_use = min((order[u] for m in g for u in _real_users(m.anchor)), default=len(order))
         if order[last_input] < order[first]:
             out.append((g, first, []))
+        elif segment[last_input] != segment[first]:  # after the last input is another grad mode
+            out += [([m], m.anchor, []) for m in g]
         elif order[last_input] < first_use:
             out.append((g, last_input.next, []))
         elif (views := _views_before([m.anchor for m in g], order[last_input], order)) is not None:

@@ -31,7 +31,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxfuse.canon import val
-from fxfuse.canon_rules import CASTS, is_row_slice, returned_only
+from fxfuse.canon_rules import CASTS, is_row_slice, returned_only, uncast
 from fxfuse.pattern import Pattern, Variant
 
 from ._lce_sites import is_candidate, miss_reason
@@ -229,10 +229,24 @@ def check(m) -> str | None:
         return ("the logits are sliced over rows after a reshape or transpose: only a slice of the lm_head's "
                 "[..., V] output as laid out in x (logits[..., :-1, :]) commutes with it")
     logits = val(m.anchor.args[0])
-    if m.variant.fn is not lce_class_dim_second and (logits is None or logits.dim() != 2):
+    if m.variant.fn is lce_class_dim_second:
+        return _classes_second_reason(m)
+    if logits is None or logits.dim() != 2:
         # the canonical view elides the [N, V] row merges before cross_entropy (canon_rules._logits_chain)
         return (f"cross_entropy's input has shape {list(logits.shape) if logits is not None else '?'}, not "
                 "[N, V] logits (with its class dim elsewhere the fused op would read the wrong axis)")
+    return None
+
+
+def _classes_second_reason(m) -> str | None:
+    """None where cross_entropy reads [B, V, T] logits made by swapping the last two dims of the
+    lm_head's [B, T, V] output (casts between them only), so its class dim 1 is the vocabulary. The
+    pattern's transpose matches any two last dims: a 2-D z.T, a 4-D [B, T, S, V] swapped to
+    [B, T, V, S] or a transpose reshaped to rows put tokens, not the vocabulary, in dim 1."""
+    n, shape = uncast(m.anchor.args[0]), val(m.anchor.args[0]).shape
+    if n.target != aten.transpose.int or len(shape) != 3 or val(n.args[0]).dim() != 3:
+        return (f"cross_entropy's input has shape {list(shape)}, not the [B, T, V] logits with their last two "
+                "dims swapped: its class dim 1 would not be the vocabulary")
     return None
 
 
@@ -242,10 +256,11 @@ def _logits_node(m) -> fx.Node:
 
 
 def _bias_add(m) -> fx.Node:
-    """lce_logits_bias_bart's ``logits + b``."""
+    """lce_logits_bias_bart's ``logits + b`` (the logits cast first or not)."""
     z = _logits_node(m)
-    (n,) = [n for n in m.region if n.target == aten.add.Tensor and z in n.args]
+    (n,) = [n for n in m.region if n.target == aten.add.Tensor and z in map(uncast, n.args)]
     return n
+
 
 
 def _vocab_prefix(m) -> int | None:

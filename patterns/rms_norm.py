@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxfuse.canon import CASTS, val
-from fxfuse.canon_rules import is_sqrt
+from fxfuse.canon_rules import is_sqrt, uncast
 from fxfuse.shapes import RESHAPES
 from fxfuse.pattern import Pattern, Variant
 
@@ -142,10 +142,10 @@ def _centred(rsqrt: fx.Node, hops: int = 5) -> bool:
 def _centred_input(x) -> bool:
     """x is ``a - a.mean(-1, keepdim=True)`` (through casts): the centred input of a LayerNorm."""
     aten = torch.ops.aten
-    x = _uncast(x)
+    x = uncast(x)
     if not (isinstance(x, fx.Node) and x.target == aten.sub.Tensor and isinstance(x.args[1], fx.Node)):
         return False
-    a, mean = x.args[0], _uncast(x.args[1])
+    a, mean = x.args[0], uncast(x.args[1])
     if not (mean.target == aten.mean.dim and len(mean.args) > 1 and mean.args[0] is a):
         return False
     dims = mean.args[1]
@@ -217,10 +217,10 @@ def _divided_root(n: fx.Node, hops: int = 4) -> list[fx.Node] | None:
     aten = torch.ops.aten
     if n.target == aten.linalg_vector_norm.default:
         order = n.args[1] if len(n.args) > 1 else n.kwargs.get("ord", 2)
-        src = _uncast(n.args[0]) if order == 2 else None
+        src = uncast(n.args[0]) if order == 2 else None
     elif is_sqrt(n) and isinstance(n.args[0], fx.Node) and n.args[0].target in (aten.mean.dim, aten.sum.dim_IntList):
         square = n.args[0].args[0]
-        src = _uncast(square.args[0]) if isinstance(square, fx.Node) and (
+        src = uncast(square.args[0]) if isinstance(square, fx.Node) and (
             square.target == aten.square.default or (square.target == aten.pow.Tensor_Scalar and square.args[1] == 2)
             or (square.target == aten.mul.Tensor and square.args[0] is square.args[1])) else None
     else:
@@ -233,7 +233,7 @@ def _divided_root(n: fx.Node, hops: int = 4) -> list[fx.Node] | None:
     for _ in range(hops):
         cur = chain[-1]
         for u in cur.users:
-            if u.target == aten.div.Tensor and u.args[1] is cur and _uncast(u.args[0]) is src:
+            if u.target == aten.div.Tensor and u.args[1] is cur and uncast(u.args[0]) is src:
                 return chain
         nxt = [u for u in cur.users if u.target in steps and u.args[0] is cur
                and all(not isinstance(a, fx.Node) or u.target == aten.expand_as.default for a in u.args[1:])]
@@ -241,12 +241,6 @@ def _divided_root(n: fx.Node, hops: int = 4) -> list[fx.Node] | None:
             return None
         chain.append(nxt[0])
     return None
-
-
-def _uncast(n):
-    while isinstance(n, fx.Node) and n.target in CASTS:
-        n = n.args[0]
-    return n
 
 
 def _scales_its_source(root: fx.Node, square: fx.Node) -> bool:
@@ -257,16 +251,16 @@ def _scales_its_source(root: fx.Node, square: fx.Node) -> bool:
     if not (isinstance(square, fx.Node) and (
             square.target in squares or (square.target == aten.mul.Tensor and square.args[0] is square.args[1]))):
         return True  # not a square we can follow: no claim
-    src = _uncast(square.args[0])
+    src = uncast(square.args[0])
     roots, users = {root}, list(root.users)
     while users:
         u = users.pop()
         if u.target in CASTS or u.target in (aten.reciprocal.default, aten.unsqueeze.default, *RESHAPES):
             roots.add(u)
             users += list(u.users)
-        elif u.target == aten.mul.Tensor and any(_uncast(a) is src for a in u.args if a not in roots):
+        elif u.target == aten.mul.Tensor and any(uncast(a) is src for a in u.args if a not in roots):
             return True
-        elif u.target == aten.div.Tensor and u.args[1] in roots and _uncast(u.args[0]) is src:
+        elif u.target == aten.div.Tensor and u.args[1] in roots and uncast(u.args[0]) is src:
             return True
     return False
 

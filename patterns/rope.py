@@ -135,6 +135,21 @@ def check(m) -> str | None:
             return "cos/sin require grad; the fused op gives them no gradient"
         if t.dim() > 4 + (m.consts["form"] == "pairs"):
             return f"cos/sin have {t.dim()} dims"
+    return _table_shape_reason(m, x.shape[-1])
+
+
+def _table_shape_reason(m, d) -> str | None:
+    """Why cos / sin cannot be the kernel's per-channel tables of x's D channels (one shape for both,
+    one angle per channel pair), else None."""
+    form, shapes = m.consts["form"], [tuple(val(t).shape) for t in _tables(m)]
+    if len(shapes) == 2 and shapes[0] != shapes[1]:
+        return f"cos {list(shapes[0])} and sin {list(shapes[1])} differ in shape; the kernel reads both alike"
+    last = shapes[0][-2:] if form == "pairs" else shapes[0][-1:]
+    want = {"pairs": (d // 2, 2), "complex": (d // 2,), "halves": (d // 2,), "halves_flipped": (d // 2,),
+            "halves_pairs": (d // 2,)}.get(form, (d,))
+    if last != want:
+        return (f"cos/sin end in {list(last)} where one angle per channel pair of the {d} channels ends in "
+                f"{list(want)} (a table broadcast over the channels, say)")
     return None
 
 
@@ -143,14 +158,11 @@ def group(matches: list) -> list[list]:
     by_tables: dict[tuple, list] = {}
     memo: dict[fx.Node, object] = {}
     for m in matches:
-        key = (m.consts["form"], *(_same_value_key(t, memo) for t in _tables(m)))
+        # one call rotates both in one dtype: only rotations of equal input and output dtypes pair
+        dtypes = (val(m.inputs["x"]).dtype, val(m.anchor).dtype)
+        key = (m.consts["form"], *dtypes, *(_same_value_key(t, memo) for t in _tables(m)))
         by_tables.setdefault(key, []).append(m)
-    out = []
-    for ms in by_tables.values():
-        first = val(ms[0].anchor).dtype
-        ms.sort(key=lambda m: val(m.anchor).dtype != first)  # pair rotations of equal output dtype
-        out += [ms[i:i + 2] for i in range(0, len(ms), 2)]
-    return out
+    return [ms[i:i + 2] for ms in by_tables.values() for i in range(0, len(ms), 2)]
 
 
 _UNSAFE_TAGS = {torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise}
@@ -194,7 +206,9 @@ def _per_channel(graph: fx.Graph, m) -> tuple[fx.Node, fx.Node]:
     form, call = m.consts["form"], graph.call_function
     if form in ("complex", "pairs"):  # [.., D/2, 2] -> cos, sin each repeated per pair: [.., D]
         src = m.inputs["freqs_cis" if form == "complex" else "freqs"]
-        pairs = call(aten.view_as_real.default, (src,)) if form == "complex" else src
+        # resolve_conj: freqs_cis.conj() (the rotation by -angle) is a lazy conjugate view_as_real refuses
+        real = lambda t: call(aten.view_as_real.default, (call(aten.resolve_conj.default, (t,)),))  # noqa: E731
+        pairs = real(src) if form == "complex" else src
         rank = val(src).dim() if form == "complex" else val(src).dim() - 1
         halves = [call(aten.select.int, (pairs, -1, i)) for i in (0, 1)]
         tabs = [call(aten.flatten.using_ints, (call(aten.stack.default, ([h, h], -1)), -2, -1)) for h in halves]

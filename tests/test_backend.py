@@ -133,6 +133,28 @@ def test_lowering_error_is_fail_safe():
     assert "lowering failed: RuntimeError: kernel says no" in site.reason
 
 
+def test_check_error_keeps_only_its_site_unfused(monkeypatch):
+    """A pattern's check that raises (an fxfuse bug) refuses that match, with the error as its reason;
+    the graph's other sites still fuse (before: the whole graph was left unfused)."""
+    import dataclasses
+
+    from fxfuse.patterns import rms_norm
+
+    def broken(m):
+        raise ValueError("check says no")
+
+    monkeypatch.setattr(rms_norm, "PATTERN", dataclasses.replace(rms_norm.PATTERN, check=broken))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.RMSNorm(16), torch.nn.Linear(16, 8))
+    x = torch.randn(3, 8)
+    fn = lambda x: torch.nn.functional.silu(model(x)[:, :4]) * model(x)[:, 4:]  # noqa: E731
+    out = torch.compile(fn, backend="fxfuse", options={"inner": "eager"})(x)
+    assert rel_err(out, fn(x)) < 1e-6
+    report = fxfuse.last_report()
+    assert report.counts()["swiglu"] == 1 and report.counts()["rms_norm"] == 0 and not report.errors
+    assert all("rms_norm's check failed (ValueError: check says no)" in s.reason
+               for s in report.unmatched if s.pattern == "rms_norm")
+
+
 def test_report_text_json_and_debug_dump(tmp_path, monkeypatch):
     monkeypatch.setenv("FXFUSE_DEBUG_DIR", str(tmp_path))
     model = hf_model("llama", num_hidden_layers=1)

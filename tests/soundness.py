@@ -1,0 +1,154 @@
+"""Soundness cases: programs that look like a fused op, spelled right or changed in one detail, each
+compiled with the fxfuse backend and compared with eager (output and every gradient, fp32).
+
+A matcher that fuses a look-alike whose meaning differs (a sum divided by the wrong count, halves
+swapped in a rotation, the classes sliced instead of the rows) gives a wrong result silently; a
+parity check on inputs that expose the detail (rows of very different scale, so eps matters) sees it.
+Each case also says whether the op must fuse (the spelling means the op), must not (no fused op
+computes it), or either (parity is all that matters). tests/test_soundness.py runs every case;
+``python tests/soundness.py [OP ...]`` prints each case's verdict, fused or not, with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+PARITY = 1e-5  # fp32 relative error, output and every gradient
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str                      # "<op>/<spelling or change>"
+    fn: Callable                   # fn(*inputs) -> tensor or tuple of tensors
+    inputs: Callable[[], tuple]    # fresh inputs; every floating tensor becomes a leaf with a gradient
+    fuses: bool | None             # True: the op must fuse; False: it must not; None: either
+
+    @property
+    def op(self) -> str:
+        return self.name.split("/", 1)[0]
+
+
+@dataclass
+class Verdict:
+    out_err: float
+    grad_err: float
+    fused: int                     # matched sites of the case's op
+    reasons: list[str]             # the op's unmatched reasons
+
+    def problems(self, case: Case) -> list[str]:
+        bad = []
+        if not self.out_err < PARITY:
+            bad.append(f"output {self.out_err:.2e} from eager")
+        if not self.grad_err < PARITY:
+            bad.append(f"gradient {self.grad_err:.2e} from eager")
+        if case.fuses is True and not self.fused:
+            bad.append(f"not fused: {self.reasons or ['no candidate reported']}")
+        if case.fuses is False and self.fused:
+            bad.append(f"fused {self.fused}x, where no fused op computes it")
+        return bad
+
+
+def awkward(*shape, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    """randn with each row (last dim) scaled by 10 ** u, u uniform in [-3, 1]: rows whose mean square
+    is near a norm's eps, so an eps in the wrong place, or a wrong one, shows in fp32."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    scale = 10.0 ** (torch.rand(*shape[:-1], 1, generator=g, dtype=torch.float64) * 4 - 3)
+    return (x * scale).to(dtype)
+
+
+def randn(*shape, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _leaves(inputs: tuple) -> tuple:
+    return tuple(t.detach().clone().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+                 for t in inputs)
+
+
+def _outputs(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [o for item in out for o in _outputs(item)] if isinstance(out, (tuple, list)) else []
+
+
+def _fwd_bwd(fn, inputs: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Outputs, and the gradients of a random projection of them (not a plain sum: its uniform
+    output gradient would hide a swap of two output elements)."""
+    leaves = _leaves(inputs)
+    outs = _outputs(fn(*leaves))
+    g = torch.Generator().manual_seed(7)
+    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum()
+               for o in outs if o.is_floating_point() and o.requires_grad)
+    if isinstance(loss, torch.Tensor):
+        loss.backward()
+    grads = [t.grad for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return [o.detach() for o in outs], grads
+
+
+def _err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return float("inf")
+    a, b = a.double(), b.double()
+    if not torch.equal(a.isnan(), b.isnan()):
+        return float("inf")
+    a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run(case: Case, inner: str = "aot_eager", dynamic: bool | None = False, device: str = "cpu") -> Verdict:
+    """The case compiled with the fxfuse backend (one graph: fullgraph=True) against eager, on device."""
+    import fxfuse
+
+    inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in case.inputs())
+    ref_outs, ref_grads = _fwd_bwd(case.fn, inputs)
+    torch._dynamo.reset()
+    n0 = len(fxfuse.compiled_reports())
+    compiled = torch.compile(case.fn, backend="fxfuse", options={"inner": inner}, dynamic=dynamic, fullgraph=True)
+    outs, grads = _fwd_bwd(compiled, inputs)
+    report = fxfuse.Report.merge(fxfuse.compiled_reports()[n0:])
+    out_err = max([_err(o, r) for o, r in zip(outs, ref_outs)] + [0.0 if len(outs) == len(ref_outs) else float("inf")])
+    grad_err = max([_err(g, r) for g, r in zip(grads, ref_grads)], default=0.0)
+    return Verdict(out_err, grad_err, report.counts()[case.op],
+                   [s.reason for s in report.unmatched if s.pattern == case.op])
+
+
+def all_cases() -> list[Case]:
+    import soundness_linear_cross_entropy
+    import soundness_rms_norm
+    import soundness_rope
+    import soundness_swiglu
+
+    return [c for mod in (soundness_rms_norm, soundness_rope, soundness_swiglu, soundness_linear_cross_entropy)
+            for c in mod.CASES]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("ops", nargs="*", help="rms_norm, rope, swiglu, linear_cross_entropy (default: all)")
+    p.add_argument("--inner", default="aot_eager", choices=("aot_eager", "inductor", "eager"))
+    p.add_argument("--dynamic", action="store_true", help="compile with dynamic=True")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args()
+    bad = 0
+    for case in all_cases():
+        if args.ops and case.op not in args.ops:
+            continue
+        v = run(case, args.inner, args.dynamic, args.device)
+        problems = v.problems(case)
+        bad += bool(problems)
+        why = f" ({v.reasons[0]})" if v.reasons and not v.fused else ""
+        print(f"{'FAIL' if problems else 'ok  '} {case.name}: fused {v.fused}, out {v.out_err:.1e}, "
+              f"grad {v.grad_err:.1e}{why}{'  <- ' + '; '.join(problems) if problems else ''}", flush=True)
+    print(f"{bad} failing", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""RMSNorm soundness cases (tests/soundness.py): the spellings models use, which must fuse, and
+look-alikes changed in one detail, which must keep eager's value (most must not fuse at all).
+
+x is [2, 5, 32] (rows of very different scale: awkward(), so eps matters), w is [32]; the eps is
+1e-6 unless a case is about it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from soundness import Case, awkward, randn
+
+D = 32
+EPS = 1e-6
+
+
+def _xw():
+    return awkward(2, 5, D, seed=11), randn(D, seed=12) + 1
+
+
+def llama(x, w):
+    h = x.to(torch.float32)
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def gemma(x, w):
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * (1.0 + w.float())).type_as(x)
+
+
+def offset_two(x, w):
+    """(2 + w): an offset other than Gemma's 1 is still a weight of (offset + w)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * (2.0 + w)
+
+
+def one_minus_w(x, w):
+    """(1 - w): not (offset + w), but a [D] tensor, so the fused op's weight."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * (1.0 - w)
+
+
+def sum_over_d(x, w):
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) / D + EPS) * w
+
+
+def sum_times_inverse_d(x, w):
+    return x * (torch.square(x).sum(-1, keepdim=True) * (1.0 / D) + EPS) ** -0.5 * w
+
+
+def functional(x, w):
+    return F.rms_norm(x, (D,), w, EPS)
+
+
+def module_default_eps(x, w):
+    """torch.nn.RMSNorm's eps=None: fp32's machine epsilon."""
+    return F.rms_norm(x, (D,), w)
+
+
+def per_head(x, w):
+    """Qwen3's q / k norm: x [2, 5, 32] viewed as [2, 5, 4, 8] heads, w [8]."""
+    h = x.view(2, 5, 4, 8)
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w[:8]
+
+
+def transposed_input(x, w):
+    """The norm of a transposed view: rows are x's dim 1 here, [2, 32, 5] -> normalised over 5."""
+    h = x.transpose(1, 2)
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w[:5]
+
+
+def bias_after(x, w):
+    """RMSNorm then a bias add (the add stays outside the fused op)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w + w.flip(0)
+
+
+def no_keepdim_unsqueezed(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1) + EPS).unsqueeze(-1) * w
+
+
+def no_keepdim_wrong_axis(x, w):
+    """x [2, 32, 32]: the mean over the last dim put back at dim 1 scales column j by row j's
+    statistic. A broadcast, not a norm."""
+    return x * torch.rsqrt(x.pow(2).mean(-1) + EPS).unsqueeze(1) * w
+
+
+def no_keepdim_viewed_back(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1) + EPS).view(2, 5, 1) * w
+
+
+def sum_over_d_plus_one(x, w):
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) / (D + 1) + EPS) * w
+
+
+def mean_over_rows(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-2, keepdim=True) + EPS) * w
+
+
+def mean_over_two_dims(x, w):
+    return x * torch.rsqrt(x.pow(2).mean((-2, -1), keepdim=True) + EPS) * w
+
+
+def two_dim_functional(x, w):
+    """F.rms_norm over the last two dims, weight [5, 32]."""
+    return F.rms_norm(x, (5, D), w.expand(5, D) * 1.0, EPS)
+
+
+def eps_outside_root(x, w):
+    return x / (torch.sqrt(x.pow(2).mean(-1, keepdim=True)) + EPS) * w
+
+
+def no_eps(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * w
+
+
+def eps_tensor(x, w):
+    """eps read from a tensor (a buffer): not a constant."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + w[:1].abs() * 1e-3) * w
+
+
+def root_not_inverse(x, w):
+    return x * torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+
+def quarter_power(x, w):
+    return x * (x.pow(2).mean(-1, keepdim=True) + EPS) ** -0.25 * w
+
+
+def abs_not_square(x, w):
+    return x * torch.rsqrt(x.abs().mean(-1, keepdim=True) + EPS) * w
+
+
+def cube_not_square(x, w):
+    return x * torch.rsqrt(x.pow(3).abs().mean(-1, keepdim=True) + EPS) * w
+
+
+def square_of_another(x, w):
+    """The statistic of x + 1, applied to x."""
+    z = x + 1.0
+    return x * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+
+def numerator_another(x, w):
+    """x's statistic applied to 2 * x - 1."""
+    return (2 * x - 1) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+
+def product_of_two(x, w):
+    """mean(x * y) with y another tensor: no square."""
+    y = x.flip(-1)
+    return x * torch.rsqrt((x * y).abs().mean(-1, keepdim=True) + EPS) * w
+
+
+def centred_variance(x, w):
+    """torch.var (centred): a LayerNorm's statistic, not RMSNorm's."""
+    return x * torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + EPS) * w
+
+
+def per_row_weight(x, w):
+    """weight [5, 32]: one per row, not one per channel; the norm fuses, the multiply stays outside."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * torch.outer(w[:5], w)
+
+
+def weight_over_rows(x, w):
+    """weight [5, 1], broadcast over the channels: the norm fuses, the multiply stays outside."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w[:5, None]
+
+
+def rounded_to_bf16(x, w):
+    """An fp32 model whose normalised value is rounded to bf16 on its way to the weight: the norm
+    fuses, the round trip and the multiply stay outside."""
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    return w * h.to(torch.bfloat16).float()
+
+
+def statistic_returned(x, w):
+    """rstd is also an output: it must stay written (reported as a near miss)."""
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    return x * r * w, r
+
+
+def l2norm_fla(x, w):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + EPS)
+
+
+def l2_normalize(x, w):
+    """F.normalize: x / max(||x||, eps), the eps a clamp, not under the root."""
+    return F.normalize(x, dim=-1, eps=1e-3) * w
+
+
+def l2_norm_method(x, w):
+    return x / x.norm(dim=-1, keepdim=True) * w
+
+
+def statistic_detached(x, w):
+    """Stop-gradient statistics: no gradient through the mean square (RMSNorm's has one)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).detach() + EPS) * w
+
+
+def statistic_under_no_grad(x, w):
+    with torch.no_grad():
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    return x * r * w
+
+
+def norm_under_no_grad(x, w):
+    """The whole norm under no_grad, its weight applied outside: the norm may fuse (no gradient)."""
+    with torch.no_grad():
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    return h * w
+
+
+def _square():
+    return awkward(2, D, D, seed=14), randn(D, seed=12) + 1
+
+
+def _case(fn, fuses):
+    return Case(f"rms_norm/{fn.__name__}", fn, _square if fn is no_keepdim_wrong_axis else _xw, fuses)
+
+
+CASES = [
+    *(_case(fn, True) for fn in (llama, gemma, offset_two, sum_over_d, sum_times_inverse_d, functional,
+                                 module_default_eps, per_head, transposed_input, bias_after,
+                                 no_keepdim_unsqueezed, no_keepdim_viewed_back, l2norm_fla, one_minus_w,
+                                 per_row_weight, weight_over_rows, rounded_to_bf16)),
+    *(_case(fn, False) for fn in (no_keepdim_wrong_axis, sum_over_d_plus_one, mean_over_rows,
+                                  mean_over_two_dims, two_dim_functional, eps_outside_root, eps_tensor,
+                                  root_not_inverse, quarter_power, abs_not_square, cube_not_square,
+                                  square_of_another, numerator_another, product_of_two, centred_variance,
+                                  statistic_returned, l2_normalize, statistic_detached,
+                                  statistic_under_no_grad)),
+    *(_case(fn, None) for fn in (no_eps, l2_norm_method, norm_under_no_grad)),
+]

@@ -1,0 +1,48 @@
+"""Every soundness case (tests/soundness_*.py): compiled with fxfuse (aot_eager, fp32, the Triton
+kernels under the interpreter), output and every gradient within 1e-5 of eager's, and fused or not
+as the case says. A look-alike that fuses into another function fails here on its value."""
+from __future__ import annotations
+
+import pytest
+
+from soundness import all_cases, run
+
+CASES = all_cases()
+
+
+def test_case_names_are_unique():
+    names = [c.name for c in CASES]
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_soundness(case):
+    verdict = run(case)
+    assert not verdict.problems(case), (case.name, verdict)
+
+
+def test_a_wrong_fused_op_is_caught(monkeypatch):
+    """The check itself: an RMSNorm lowered with eps * 4 (a plausible slip) fails on its value, as
+    awkward()'s small rows put mean(x^2) near eps."""
+    import dataclasses
+
+    from fxfuse.patterns import rms_norm
+
+    def lower_eps_times_4(m, graph, opts):
+        node = rms_norm.lower(m, graph, opts)
+        node.args = (*node.args[:2], node.args[2] * 4, *node.args[3:])
+        return node
+
+    case = next(c for c in CASES if c.name == "rms_norm/llama")
+    assert not run(case).problems(case)
+    monkeypatch.setattr(rms_norm, "PATTERN", dataclasses.replace(rms_norm.PATTERN, lower=lower_eps_times_4))
+    verdict = run(case)
+    assert verdict.fused == 1 and verdict.out_err > 1e-3 and verdict.problems(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_soundness_on_cuda_under_inductor(case):
+    """The same on CUDA, the kernels compiled by Triton and the rest by Inductor."""
+    verdict = run(case, inner="inductor", device="cuda")
+    assert not verdict.problems(case), (case.name, verdict)
