@@ -102,13 +102,13 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
             log.info("fxfuse: Dynamo restarts this graph's compile (%s); its report is dropped", type(e).__name__)
             raise
         log.warning("fxfuse: the rewritten graph failed to compile (%s: %s); compiling it unfused", type(e).__name__, e)
-        report.matched, report.skipped_outputs = [], []
+        report.matched, report.skipped_outputs, report.detached_outputs = [], [], []
         failed = f"{type(e).__name__}: {e}"
         compiled = _compile_unfused(gm, example_inputs, opts, mode, entry,
                                     f"rewritten graph failed in the inner compiler: {failed}; ")
         report.errors.append(f"rewritten graph failed in the inner compiler, compiled unfused: {failed}")
         return compiled
-    compiled = wrap_outputs(compiled, report.skipped_outputs)
+    compiled = wrap_outputs(compiled, report.skipped_outputs, report.detached_outputs)
     return counted(compiled, report) if report.matched else compiled
 
 

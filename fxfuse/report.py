@@ -40,6 +40,8 @@ class Report:
     graphs: int = 0
     errors: list[str] = field(default_factory=list)  # graphs left whole unfused, and why
     skipped_outputs: list[int] = field(default_factory=list)  # single graph: outputs not computed
+    # single graph: outputs computed from detached inputs (logits returned beside a fused loss head)
+    detached_outputs: list[int] = field(default_factory=list)
     # SDPA calls with a mask (fxfuse/attention.py): reason "" = mask proven causal, now is_causal=True
     attention: list[Site] = field(default_factory=list)
     # higher-order op calls kept as written through the re-trace (fxfuse/opaque.py), and where

@@ -105,6 +105,16 @@ def _detach_escapes(m: Match, graph: fx.Graph) -> None:
         n.args = tuple(detached.get(a, a) if isinstance(a, fx.Node) else a for a in n.args)
 
 
+def _reads_only(n, roots: set[fx.Node]) -> bool:
+    """n is one of roots, or computed from one alone (casts, views, a constant scale)."""
+    while isinstance(n, fx.Node) and n not in roots:
+        inputs = n.all_input_nodes
+        if len(inputs) != 1:
+            return False
+        n = inputs[0]
+    return isinstance(n, fx.Node)
+
+
 def _skip_escapes(m: Match, graph: fx.Graph) -> list[fx.Node]:
     """Escaping values are not computed: each becomes an empty tensor where it is returned."""
     empties = []
@@ -225,6 +235,7 @@ def rewrite(gm: fx.GraphModule, patterns: list[Pattern], opts: Options) -> Repor
     skip_escapes, recompute = opts.logits == "skip", opts.recompute
     report = Report(graphs=1)
     skipped: list[fx.Node] = []
+    detached: set[fx.Node] = set()  # escaping values now computed from detached inputs
     for pattern in patterns:
         matches, misses = GraphMatcher(gm.graph).find(pattern)
         for group, where, views in _placed_groups(pattern, matches, gm.graph):
@@ -264,6 +275,7 @@ def rewrite(gm: fx.GraphModule, patterns: list[Pattern], opts: Options) -> Repor
                     skipped += _skip_escapes(m, gm.graph)
                 else:
                     _detach_escapes(m, gm.graph)
+                    detached |= set(m.escapes)
             for v in views:  # views of an anchor that sat before the call now read its output: follow it
                 where.prepend(v)
         for mi in misses:
@@ -272,6 +284,7 @@ def rewrite(gm: fx.GraphModule, patterns: list[Pattern], opts: Options) -> Repor
         eliminate_dead_code(gm.graph)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     report.skipped_outputs = [i for i, a in enumerate(out.args[0]) if a in skipped]
+    report.detached_outputs = [i for i, a in enumerate(out.args[0]) if _reads_only(a, detached)]
     gm.graph.lint()
     gm.recompile()
     return report

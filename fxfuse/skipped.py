@@ -1,8 +1,16 @@
-"""Placeholders for values the user chose not to compute (``options={"logits": "skip"}``).
+"""Logits returned beside a fused lm_head + cross-entropy: placeholders for the ones the user chose
+not to compute (``options={"logits": "skip"}``), and a backward guard on the exact ones.
 
 A skipped graph output comes back as a ``SkippedValue``: an empty tensor whose every use raises a
 clear error, so code that reads logits it asked fxfuse not to compute fails loudly instead of
 reading something wrong.
+
+Exact logits (the default) are computed from detached inputs: the fused op forms the loss's
+gradient without them. Eager's logits require grad, so a loss term of them added outside the
+compiled graph (an auxiliary or distillation loss on the returned logits) would lose its gradient
+silently. When the call's other outputs require grad, each such output comes back requiring grad
+through a node whose backward raises ``NO_GRAD_MESSAGE`` (autograd's DelayedError: same storage,
+not a view, so in-place writes work as in eager); a backward that never reaches them is unchanged.
 """
 from __future__ import annotations
 
@@ -11,11 +19,17 @@ import torch
 MESSAGE = ("fxfuse skipped computing this value (the logits of a fused lm_head + cross-entropy, "
            "torch.compile(..., options={'logits': 'skip'})). Compile with the default "
            "options={'logits': 'exact'} to get exact logits.")
+NO_GRAD_MESSAGE = (
+    "fxfuse: backward reached logits returned beside a fused lm_head + cross-entropy (pattern "
+    "linear_cross_entropy). The fused op computes the loss's gradient without the logits, so it cannot "
+    "backpropagate a gradient that reaches them (eager would, into the lm_head and the hidden states). "
+    "Compute this loss term inside the compiled function (the head then stays unfused, and the report says "
+    "why), or compile with options={'patterns': [...]} without 'linear_cross_entropy'.")
 
 
 # Metadata that frameworks probe on every output without reading values (FSDP2's post-forward hook
-# asks each output tensor for requires_grad): answered truthfully, since they hold for the logits
-# too (detached: no grad, no grad_fn; same dtype and device). Shape is not among them: it is wrong.
+# asks each output tensor for requires_grad): answered for the placeholder itself (no grad, no
+# grad_fn; the logits' dtype and device). Shape is not among them: it is wrong.
 _METADATA = frozenset(getattr(torch.Tensor, name).__get__ for name in (
     "requires_grad", "grad_fn", "is_leaf", "dtype", "device", "is_cuda"))
 
@@ -44,16 +58,25 @@ class SkippedValue(torch.Tensor):
         raise RuntimeError(MESSAGE)
 
 
-def wrap_outputs(compiled, positions: list[int]):
-    """compiled(*args) with the outputs at positions replaced by SkippedValue."""
-    if not positions:
+def wrap_outputs(compiled, skipped: list[int], detached: list[int]):
+    """compiled(*args) with the outputs at skipped replaced by SkippedValue, and those at detached
+    guarded (see the module docstring) when another output requires grad."""
+    if not skipped and not detached:
         return compiled
 
     def run(*args):
         out = list(compiled(*args))
-        for i in positions:
+        for i in skipped:
             with torch._C.DisableTorchFunctionSubclass():
                 out[i] = SkippedValue(out[i].dtype, out[i].device)
+        if detached and torch.is_grad_enabled() and any(isinstance(o, torch.Tensor) and o.requires_grad
+                                                        for o in out):
+            guard = torch._C._functions.DelayedError(NO_GRAD_MESSAGE, 1)
+            for i in detached:
+                if isinstance(out[i], torch.Tensor) and out[i].is_floating_point() and not out[i].requires_grad:
+                    leaf = out[i].detach()
+                    leaf.requires_grad_(True)
+                    out[i] = guard(leaf)
         return out
 
     return run

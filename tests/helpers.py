@@ -171,3 +171,14 @@ def assert_bf16_head_within_twice_eager(head, x, w, t):
     assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1
     for name, e, f, r in zip(("loss", "dx", "dw"), eager, mine, ref):
         assert rel_err(f, r) <= 2 * rel_err(e, r), (name, rel_err(f, r), rel_err(e, r))
+
+
+def assert_logits_guarded(loss: torch.Tensor, logits: torch.Tensor) -> None:
+    """Logits returned beside a fused loss head: they require grad as eager's do, and a backward that
+    reaches them raises fxfuse's error, never a silently missing gradient. (The raise comes mid-backward:
+    call it after comparing gradients.)"""
+    import pytest
+
+    assert logits.requires_grad and loss.requires_grad
+    with pytest.raises(RuntimeError, match="backward reached logits returned beside a fused lm_head"):
+        (loss + logits.float().square().mean()).backward(retain_graph=True)

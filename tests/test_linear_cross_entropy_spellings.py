@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxfuse
-from helpers import assert_bf16_head_within_twice_eager, compiled_parity, loss_and_grads, rel_err
+from helpers import assert_bf16_head_within_twice_eager, assert_logits_guarded, compiled_parity, loss_and_grads, rel_err
 
 FP32_TOL = 1e-5
 V, H = 70, 24
@@ -70,10 +70,11 @@ def test_shifted_head_returns_exact_logits_and_skips_their_rows_in_the_saved_byt
     torch.manual_seed(0)
     model, inputs = ShiftHead("gpt2"), _shift_inputs(t=9)
     n0 = len(fxfuse.compiled_reports())
-    _, z = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})(**inputs)
+    loss, z = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})(**inputs)
     _, ref = model(**inputs)
     (report,) = fxfuse.compiled_reports()[n0:]
-    assert rel_err(z, ref) < FP32_TOL and not z.requires_grad
+    assert rel_err(z, ref) < FP32_TOL
+    assert_logits_guarded(loss, z)
     (site,) = report.matched
     assert any(t.endswith(f"float32[{2 * 8}, {V}]") for t in site.saved_tensors), site.saved_tensors
 
