@@ -19,8 +19,9 @@ hands cross_entropy.
 
 Logits a model returns (HF does) are an escaping value: they stay computed by the same ops from
 detached x and W, so the user gets exact values while no gradient, fp32 copy or logits-sized
-backward tangent exists for them. They do not require grad; a loss that must backpropagate
-through returned logits needs ``patterns`` without ``linear_cross_entropy``.
+backward tangent exists for them. No gradient flows through them: a backward that reaches them
+raises (fxfuse/skipped.py guards those outputs); a loss that must backpropagate through returned
+logits needs ``patterns`` without ``linear_cross_entropy``.
 """
 from __future__ import annotations
 
