@@ -44,6 +44,7 @@ import torch.fx as fx
 from .canon_rules import (CASTS, SPLITS, _is_divisor_sqrt, _is_logistic_divisor, _is_reciprocal_sqrt,
                           _logistic_exp, _logits_chain, _logits_slices, _negated, _piece_range, _summed_numel,
                           _unscaled, val)
+from .mutation import written_storages
 from .shapes import RESHAPES, _frac, _neg, _rel_shape, shape_literals
 
 aten = torch.ops.aten
@@ -158,10 +159,12 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
         return n
 
     nodes = list(graph.nodes)
+    # a node read as another that equals it by value is wrong where either is written in place
+    written = written_storages(graph)
     for n in nodes:
-        if n.op == "call_function" and n.target in CASTS and is_noop_cast(n):
+        if n.op == "call_function" and n.target in CASTS and is_noop_cast(n) and not {n, n.args[0]} & written.keys():
             alias[n] = n.args[0]
-        if (unscaled := _unscaled(n)) is not None:
+        if (unscaled := _unscaled(n)) is not None and not {n, unscaled} & written.keys():
             alias[n] = unscaled
         if _is_reciprocal_sqrt(n):
             absorbed.add(n)
@@ -174,7 +177,8 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
         if n.op == "call_function" and n.target == aten.cross_entropy_loss.default:
             chain = _logits_chain(n.args[0])
             for link in chain + _logits_slices(chain[-1].args[0] if chain else n.args[0]):
-                alias[link] = link.args[0]
+                if not {link, link.args[0]} & written.keys():
+                    alias[link] = link.args[0]
         # sum feeding only div(sum, N) or mul(sum, 1 / N), N its element count, is folded into it (-> mean)
         if _mean_of_sum(n):
             absorbed.add(n.args[0])

@@ -18,6 +18,7 @@ import torch.fx as fx
 from networkx.algorithms.isomorphism import MultiDiGraphMatcher
 
 from .canon import EDGE, VNode, build_view
+from .mutation import written_storages
 from .pattern import Free, Pattern, PatternGraph, Variant, is_sentinel, trace_variant
 
 
@@ -102,6 +103,7 @@ class GraphMatcher:
         self.rview = self.view.reverse(copy=False)
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         self.segment = grad_segments(graph)
+        self.written = written_storages(graph)
 
     def find(self, pattern: Pattern) -> tuple[list[Match], list[Miss]]:
         claimed: set[fx.Node] = set()  # FX nodes inside accepted matches
@@ -153,6 +155,18 @@ class GraphMatcher:
             region |= extra
             grown = bool(extra)
         return region
+
+    def _write_inside(self, region: set[fx.Node], inputs: dict, out: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+        """(a node the site reads, an in-place write to its storage) where the write comes after the
+        site's first node and before its output (where the fused call goes), else None."""
+        if not self.written:
+            return None
+        first, last = min(self.order[n] for n in region), self.order[out]
+        for r in (region | set(inputs.values())) & self.written.keys():
+            for w in self.written[r]:
+                if first < self.order[w] < last:
+                    return r, w
+        return None
 
     def _specialize(self, binds: dict, mapping: dict, pvn: dict) -> dict:
         """A captured scalar that is a value in the graph (EDGE) whose traced value is a symbolic
@@ -213,6 +227,11 @@ class GraphMatcher:
                 first_reason = first_reason or (
                     "spans an activation-checkpoint boundary (part of it is recomputed in backward, part "
                     "is not); fusing would change what is recomputed")
+                continue
+            if (write := self._write_inside(region, inputs, out)) is not None:
+                first_reason = first_reason or (
+                    f"{write[0].name} is written in place ({write[1].target}) after the site first reads it and "
+                    "before its output: eager reads it on both sides of the write, one fused op reads it once")
                 continue
             if len({self.segment[n] for n in region}) > 1:
                 first_reason = first_reason or (

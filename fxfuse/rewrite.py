@@ -8,6 +8,7 @@ import torch.fx as fx
 
 from .canon import CASTS, is_noop_cast, val
 from .matcher import GraphMatcher, Match, grad_segments
+from .mutation import written_storages
 from .normalize import eliminate_dead_code
 from .options import Options
 from .pattern import Pattern
@@ -152,19 +153,34 @@ def _placed_groups(pattern: Pattern, matches: list[Match], graph: fx.Graph
     # nor two grad modes
     place = lambda m: (m.anchor.meta.get("ac_graph_id"), segment[m.anchor])  # noqa: E731
     groups = [[m for m in g if place(m) == where] for g in groups for where in dict.fromkeys(map(place, g))]
+    written = written_storages(graph)
+
+    def reads_as_eager(g: list[Match], where: fx.Node) -> bool:
+        """No in-place write to a member's inputs between where the call reads them and where eager did."""
+        for m in g:
+            lo = min(order[where], *(order[n] for n in m.region))
+            hi = max(order[where], order[m.anchor])
+            if any(lo < order[w] < hi for i in m.inputs.values() for w in written.get(i, ())):
+                return False
+        return True
+
     out = []
     for g in groups:
         first = min((m.anchor for m in g), key=order.__getitem__)
         last_input = max((i for m in g for i in m.inputs.values()), key=order.__getitem__)
         first_use = min((order[u] for m in g for u in _real_users(m.anchor)), default=len(order))
         if order[last_input] < order[first]:
-            out.append((g, first, []))
+            placed = (g, first, [])
         elif segment[last_input] != segment[first]:  # after the last input is another grad mode
-            out += [([m], m.anchor, []) for m in g]
+            placed = None
         elif order[last_input] < first_use:
-            out.append((g, last_input.next, []))
+            placed = (g, last_input.next, [])
         elif (views := _views_before([m.anchor for m in g], order[last_input], order)) is not None:
-            out.append((g, last_input.next, views))
+            placed = (g, last_input.next, views)
+        else:
+            placed = None
+        if placed is not None and (len(g) == 1 or reads_as_eager(g, placed[1])):
+            out.append(placed)
         else:
             out += [([m], m.anchor, []) for m in g]
     return out

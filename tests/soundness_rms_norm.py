@@ -209,6 +209,57 @@ def norm_under_no_grad(x, w):
     return h * w
 
 
+def global_mean(x, w):
+    """The mean square of the whole tensor (no dim): one statistic for every row."""
+    return x * torch.rsqrt(x.pow(2).mean() + EPS) * w
+
+
+def mean_dim_list(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(dim=[-1], keepdim=True) + EPS) * w
+
+
+def rows_2d(x, w):
+    """[10, 32] rows, the batch flattened first (torchtitan's norm on flattened tokens)."""
+    h = x.flatten(0, 1)
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+
+def one_row(x, w):
+    """A 1-D x [32]: its own row (the global mean is the row's)."""
+    h = x[0, 0]
+    return h * torch.rsqrt(h.pow(2).mean() + EPS) * w
+
+
+def view_written_before(x, w):
+    """h written through a view before the norm: the norm reads the written h, not x * 1.0's x."""
+    h = x * 1.0
+    h[..., :16].mul_(2.0)
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+
+def rows_written_before(x, w):
+    h = x * 1.0
+    h.view(10, D)[3:5].mul_(0.01)
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+
+def written_between_reads(x, w):
+    """The statistic read before a write to h, the product after it (no gradient through h: eager's
+    own backward would refuse the write)."""
+    h = x.detach() * 2.0
+    ms = h.pow(2).mean(-1, keepdim=True)
+    h[..., :16].mul_(3.0)
+    return h * torch.rsqrt(ms + EPS) * w
+
+
+def weight_written_between(x, w):
+    """The weight's copy written after the norm, before the weight multiply: the norm alone fuses."""
+    w2 = w * 1.0
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    w2[:4].zero_()
+    return y * w2
+
+
 def _square():
     return awkward(2, D, D, seed=14), randn(D, seed=12) + 1
 
@@ -221,12 +272,13 @@ CASES = [
     *(_case(fn, True) for fn in (llama, gemma, offset_two, sum_over_d, sum_times_inverse_d, functional,
                                  module_default_eps, per_head, transposed_input, bias_after,
                                  no_keepdim_unsqueezed, no_keepdim_viewed_back, l2norm_fla, one_minus_w,
-                                 per_row_weight, weight_over_rows, rounded_to_bf16)),
+                                 per_row_weight, weight_over_rows, rounded_to_bf16, mean_dim_list, rows_2d,
+                                 view_written_before, rows_written_before, weight_written_between)),
     *(_case(fn, False) for fn in (no_keepdim_wrong_axis, sum_over_d_plus_one, mean_over_rows,
                                   mean_over_two_dims, two_dim_functional, eps_outside_root, eps_tensor,
                                   root_not_inverse, quarter_power, abs_not_square, cube_not_square,
                                   square_of_another, numerator_another, product_of_two, centred_variance,
                                   statistic_returned, l2_normalize, statistic_detached,
-                                  statistic_under_no_grad)),
-    *(_case(fn, None) for fn in (no_eps, l2_norm_method, norm_under_no_grad)),
+                                  statistic_under_no_grad, global_mean, written_between_reads)),
+    *(_case(fn, None) for fn in (no_eps, l2_norm_method, norm_under_no_grad, one_row)),
 ]

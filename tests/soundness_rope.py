@@ -293,6 +293,16 @@ def sin_broadcast_over_batch(q, k, pos):  # cos [B, 1, T, D], sin [1, 1, T, D] (
     return hf(q, cos, sin[:1]), hf(k, cos, sin[:1])
 
 
+def k_written_between(q, k, pos):
+    """k's input written in place (through a view) after q's rotation, before k's: the call that
+    rotates both must not read k where q's rotation was."""
+    cos, sin = (t.unsqueeze(1) for t in hf_tables(pos))
+    kk = k * 2.0
+    q2 = hf(q, cos, sin)
+    kk[..., :2].zero_()
+    return q2, hf(kk, cos, sin)
+
+
 def c(name, fn, inputs, fuses):
     return Case(f"rope/{name}", fn, inputs, fuses)
 
@@ -316,6 +326,7 @@ CASES: list[Case] = [
     c("partial_rotary_12_of_16", qk(rotary_12_of_16, tables=tables_of(12)), lambda: bhtd(21), True),
     c("partial_rotary_6_of_10", qk(rotary_6_of_10, tables=tables_of(6)), lambda: bhtd(23, d=10), True),
     c("kv_cache_offset_tables", kv_cache_offset, lambda: bhtd(25)[:2], True),
+    c("k_written_between", k_written_between, lambda: bhtd(29), True),
     c("k_own_positions", k_own_positions, lambda: bhtd(27), True),
     c("k_shorter_table_slice", k_shorter_table_slice,
       lambda: (awkward(B, HQ, T, D, seed=29), awkward(B, HK, 4, D, seed=30)), True),
