@@ -259,6 +259,12 @@ def through_bf16(x, w, t):  # fp32 logits rounded to bf16 then back: the roundin
 
 
 # ---- logits read again (returned logits: tests/test_linear_cross_entropy_graph.py's guard test) ----
+def logits_masked_in_place(x, w, t):  # padded vocabulary entries set to -inf in place before the loss
+    z = F.linear(x, w)
+    z[..., 36:] = float("-inf")
+    return F.cross_entropy(z.view(-1, V), t)
+
+
 def entropy_bonus(x, w, t):  # softmax of the same logits: loss - 0.01 * entropy
     z = F.linear(x, w)
     p = z.softmax(-1)
@@ -337,6 +343,7 @@ CASES: list[Case] = [
     _case("through_bf16", through_bf16, lambda: (_x(2, 8, H, seed=540) * 40, _w(541), _t(16, seed=542)), False),
     # logits read again
     _case("entropy_bonus", entropy_bonus, _in3(610), None),
+    _case("logits_masked_in_place", logits_masked_in_place, _xwt((2, 8, H), (16,), 620, v=36), False),
     _case("detached_logits_in_kl", detached_logits_in_kl, _with(lambda s: randn(2, 8, V, seed=s), 615), None),
     # label shift
     _case("shift_both_forward", shift_both_forward, _in_t2d(700), None),

@@ -260,12 +260,24 @@ def weight_written_between(x, w):
     return y * w2
 
 
+def prenorm_block(x, w, wq, wk, wv):
+    """h = x + q(n) + k(n) * v(n), n = norm(x): under Inductor the residual add and the sum of the
+    branch gradients fold into the norm's backward (fxfuse/fold_add.py)."""
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+    return x + F.linear(n, wq) + F.linear(n, wk) * F.linear(n, wv)
+
+
+def _block():
+    return (*_xw(), *(randn(D, D, seed=s) * D ** -0.5 for s in (15, 16, 17)))
+
+
 def _square():
     return awkward(2, D, D, seed=14), randn(D, seed=12) + 1
 
 
 def _case(fn, fuses):
-    return Case(f"rms_norm/{fn.__name__}", fn, _square if fn is no_keepdim_wrong_axis else _xw, fuses)
+    inputs = {no_keepdim_wrong_axis: _square, prenorm_block: _block}.get(fn, _xw)
+    return Case(f"rms_norm/{fn.__name__}", fn, inputs, fuses)
 
 
 CASES = [
@@ -273,7 +285,8 @@ CASES = [
                                  module_default_eps, per_head, transposed_input, bias_after,
                                  no_keepdim_unsqueezed, no_keepdim_viewed_back, l2norm_fla, one_minus_w,
                                  per_row_weight, weight_over_rows, rounded_to_bf16, mean_dim_list, rows_2d,
-                                 view_written_before, rows_written_before, weight_written_between)),
+                                 view_written_before, rows_written_before, weight_written_between,
+                                 prenorm_block)),
     *(_case(fn, False) for fn in (no_keepdim_wrong_axis, sum_over_d_plus_one, mean_over_rows,
                                   mean_over_two_dims, two_dim_functional, eps_outside_root, eps_tensor,
                                   root_not_inverse, quarter_power, abs_not_square, cube_not_square,
