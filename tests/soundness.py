@@ -123,10 +123,11 @@ def all_cases() -> list[Case]:
     import soundness_linear_cross_entropy
     import soundness_rms_norm
     import soundness_rope
+    import soundness_row_loops
     import soundness_swiglu
 
-    return [c for mod in (soundness_rms_norm, soundness_rope, soundness_swiglu, soundness_linear_cross_entropy)
-            for c in mod.CASES]
+    return [c for mod in (soundness_rms_norm, soundness_rope, soundness_swiglu, soundness_linear_cross_entropy,
+                          soundness_row_loops) for c in mod.CASES]
 
 
 def main() -> int:
