@@ -158,11 +158,10 @@ class GraphMatcher:
 
     def _write_inside(self, region: set[fx.Node], inputs: dict, out: fx.Node) -> tuple[fx.Node, fx.Node] | None:
         """(a node the site reads, an in-place write to its storage) where the write comes after the
-        site's first node and before its output (where the fused call goes), else None."""
-        if not self.written:
-            return None
-        first, last = min(self.order[n] for n in region), self.order[out]
+        site's first read of it and before its output (where the fused call reads it), else None."""
+        last = self.order[out]
         for r in (region | set(inputs.values())) & self.written.keys():
+            first = min((self.order[u] for u in r.users if u in region), default=last)
             for w in self.written[r]:
                 if first < self.order[w] < last:
                     return r, w
@@ -231,7 +230,7 @@ class GraphMatcher:
             if (write := self._write_inside(region, inputs, out)) is not None:
                 first_reason = first_reason or (
                     f"{write[0].name} is written in place ({write[1].target}) after the site first reads it and "
-                    "before its output: eager reads it on both sides of the write, one fused op reads it once")
+                    "before the site's last read: eager reads it on both sides of the write, one fused op once")
                 continue
             if len({self.segment[n] for n in region}) > 1:
                 first_reason = first_reason or (

@@ -281,7 +281,22 @@ def _raw(name, fn, seed, fuses, extra=()):
                                                randn(I, 32, seed=seed + 2) * 0.4, *extra), fuses)
 
 
+def gate_written_before(g, u):  # the gate's copy written through a view, then the gated product
+    h = g * 1.0
+    h[..., :8].zero_()
+    return F.silu(h) * u
+
+
+def up_written_between(g, u):  # the up's copy written after act(gate) is read and before the product
+    v = u * 1.0
+    a = F.silu(g)
+    v[..., :8].mul_(3.0)
+    return a * v
+
+
 CASES: list[Case] = [
+    _sep("gate_written_before", gate_written_before, 180, True),
+    _sep("up_written_between", up_written_between, 190, None),
     _sep("silu", silu_llama, 10, True),
     _sep("sigmoid_form", sigmoid_form, 20, True),
     _sep("silu_definition", silu_definition, 30, True),
