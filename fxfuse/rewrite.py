@@ -107,9 +107,9 @@ def _detach_escapes(m: Match, graph: fx.Graph) -> None:
 
 
 def _reads_only(n, roots: set[fx.Node]) -> bool:
-    """n is one of roots, or computed from one alone (casts, views, a constant scale)."""
+    """n is one of roots, or computed from one alone (casts, views, a constant scale; sizes aside)."""
     while isinstance(n, fx.Node) and n not in roots:
-        inputs = n.all_input_nodes
+        inputs = [a for a in n.all_input_nodes if isinstance(val(a), torch.Tensor)]
         if len(inputs) != 1:
             return False
         n = inputs[0]
