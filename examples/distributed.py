@@ -47,14 +47,16 @@ def global_batch(world: int, per_rank: int = 2, seq: int = 9) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def wrap(model, how: str, device: torch.device, inner: str):
+def wrap(model, how: str, device: torch.device, inner: str, find_unused: bool = False):
     if how == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         fxfuse.patch(model, inner=inner)
         # 1 MB buckets (Dynamo needs them >= DDP's 1 MiB first bucket): this small model is split into
-        # several graphs, as a large one is at the default 25 MB
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=1)
+        # several graphs, as a large one is at the default 25 MB. find_unused_parameters: DDP passes
+        # every output (the returned logits too) through its sink, whose backward reaches them
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=1,
+                   find_unused_parameters=find_unused)
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
@@ -95,6 +97,7 @@ def main(argv=None) -> None:
     ap.add_argument("--inner", default="inductor", choices=["inductor", "aot_eager", "eager"])
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every decoder layer")
+    ap.add_argument("--find-unused", action="store_true", help="DDP with find_unused_parameters=True")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -109,7 +112,7 @@ def main(argv=None) -> None:
     batch = {k: v.to(device) for k, v in global_batch(world).items()}
     mine = {k: v.chunk(world)[rank] for k, v in batch.items()}
 
-    wrapped = wrap(model, args.wrap, device, args.inner)
+    wrapped = wrap(model, args.wrap, device, args.inner, args.find_unused)
     loss = wrapped(**mine).loss
     loss.backward()
     report = fxfuse.patch_report(model)

@@ -9,8 +9,11 @@ Exact logits (the default) are computed from detached inputs: the fused op forms
 gradient without them. Eager's logits require grad, so a loss term of them added outside the
 compiled graph (an auxiliary or distillation loss on the returned logits) would lose its gradient
 silently. When the call's other outputs require grad, each such output comes back requiring grad
-through a node whose backward raises ``NO_GRAD_MESSAGE`` (autograd's DelayedError: same storage,
-not a view, so in-place writes work as in eager); a backward that never reaches them is unchanged.
+through ``_NoGradThrough``, whose backward raises ``NO_GRAD_MESSAGE`` for a nonzero gradient. Its
+output shares the logits' storage without being an autograd view, so in-place writes work as in
+eager. A backward that never reaches them is unchanged, and so is one that brings them no gradient
+or zeros: DDP's output sink passes an undefined gradient for every unused output (autograd's own
+DelayedError raised there), other wrappers zeros (a sync to see them, on that path only).
 """
 from __future__ import annotations
 
@@ -58,6 +61,22 @@ class SkippedValue(torch.Tensor):
         raise RuntimeError(MESSAGE)
 
 
+class _NoGradThrough(torch.autograd.Function):
+    """logits (no grad) -> the same values requiring grad, whose gradient may only be none or zero."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+        return logits.new_empty(0).set_(logits.untyped_storage(), logits.storage_offset(), logits.size(),
+                                        logits.stride())
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is not None and bool(grad.any()):
+            raise RuntimeError(NO_GRAD_MESSAGE)
+        return None, None
+
+
 def wrap_outputs(compiled, skipped: list[int], detached: list[int]):
     """compiled(*args) with the outputs at skipped replaced by SkippedValue, and those at detached
     guarded (see the module docstring) when another output requires grad."""
@@ -71,12 +90,11 @@ def wrap_outputs(compiled, skipped: list[int], detached: list[int]):
                 out[i] = SkippedValue(out[i].dtype, out[i].device)
         if detached and torch.is_grad_enabled() and any(isinstance(o, torch.Tensor) and o.requires_grad
                                                         for o in out):
-            guard = torch._C._functions.DelayedError(NO_GRAD_MESSAGE, 1)
+            anchor = torch.empty(0, requires_grad=True)  # makes the guard's output require grad
             for i in detached:
-                if isinstance(out[i], torch.Tensor) and out[i].is_floating_point() and not out[i].requires_grad:
-                    leaf = out[i].detach()
-                    leaf.requires_grad_(True)
-                    out[i] = guard(leaf)
+                o = out[i]
+                if type(o) is torch.Tensor and o.is_floating_point() and not o.requires_grad:
+                    out[i] = _NoGradThrough.apply(anchor, o)
         return out
 
     return run

@@ -173,12 +173,15 @@ def assert_bf16_head_within_twice_eager(head, x, w, t):
         assert rel_err(f, r) <= 2 * rel_err(e, r), (name, rel_err(f, r), rel_err(e, r))
 
 
-def assert_logits_guarded(loss: torch.Tensor, logits: torch.Tensor) -> None:
-    """Logits returned beside a fused loss head: they require grad as eager's do, and a backward that
-    reaches them raises fxfuse's error, never a silently missing gradient. (The raise comes mid-backward:
-    call it after comparing gradients.)"""
+def assert_logits_guarded(run) -> None:
+    """run() -> (loss, logits returned beside a fused loss head), one forward per call. The logits
+    require grad as eager's do; a backward that brings them a nonzero gradient raises fxfuse's error,
+    never a silently missing gradient; a zero one passes. (Both accumulate into the parameters.)"""
     import pytest
 
+    loss, logits = run()
     assert logits.requires_grad and loss.requires_grad
     with pytest.raises(RuntimeError, match="backward reached logits returned beside a fused lm_head"):
-        (loss + logits.float().square().mean()).backward(retain_graph=True)
+        (loss + logits.float().square().mean()).backward()
+    loss, logits = run()
+    (loss + 0.0 * logits.float().sum()).backward()  # a zero gradient is eager's too

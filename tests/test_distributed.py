@@ -60,6 +60,15 @@ def test_two_process_parity_with_single_process_eager(wrap):
             assert counts == {"rms_norm": 3, "rope": 1, "swiglu": 1, "linear_cross_entropy": 1}
 
 
+def test_ddp_find_unused_parameters_with_returned_logits():
+    """DDP(find_unused_parameters=True) runs every output through its sink, whose backward gives the
+    returned logits (guarded: fxfuse/skipped.py) an undefined gradient: the step runs, with parity."""
+    rows, _ = _launch("ddp", "--find-unused")
+    for _, loss_err, grad_err, _, counts in rows:
+        assert float(loss_err) < 1e-5 and float(grad_err) < 1e-5
+        assert ast.literal_eval(counts)["linear_cross_entropy"] == 1
+
+
 def test_fsdp2_with_activation_checkpointing():
     """FSDP2 + activation checkpointing of each decoder layer (torchtitan's usual setup): the sites
     inside the checkpointed layers fuse, with the same parity."""
