@@ -90,10 +90,10 @@ def wrap_outputs(compiled, skipped: list[int], detached: list[int]):
                 out[i] = SkippedValue(out[i].dtype, out[i].device)
         if detached and torch.is_grad_enabled() and any(isinstance(o, torch.Tensor) and o.requires_grad
                                                         for o in out):
-            anchor = torch.empty(0, requires_grad=True)  # makes the guard's output require grad
             for i in detached:
                 o = out[i]
                 if type(o) is torch.Tensor and o.is_floating_point() and not o.requires_grad:
+                    anchor = torch.empty(0, device=o.device, requires_grad=True)  # makes the output require grad
                     out[i] = _NoGradThrough.apply(anchor, o)
         return out
 
