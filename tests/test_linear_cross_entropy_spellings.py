@@ -365,3 +365,15 @@ def test_spellings_on_cuda_under_inductor(case):
     loss_err, grad_err, report, _ = compiled_parity(model.cuda(), inputs, inner="inductor", loss_fn=loss_fn)
     assert report.counts()["linear_cross_entropy"] == 1, str(report)
     assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+@pytest.mark.gpu
+def test_returned_logits_guarded_on_cuda_under_inductor():
+    """GPT-2's shifted head on CUDA under Inductor: the returned logits are eager's, and guarded."""
+    torch.manual_seed(0)
+    model, inputs = ShiftHead("gpt2").cuda(), {k: v.cuda() for k, v in _shift_inputs(t=33).items()}
+    compiled = torch.compile(model, backend="fxfuse", options={"inner": "inductor"})
+    _, z = compiled(**inputs)
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1
+    assert rel_err(z, model(**inputs)[1]) < FP32_TOL
+    assert_logits_guarded(lambda: compiled(**inputs))
