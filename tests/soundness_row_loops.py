@@ -71,8 +71,8 @@ def _head(logps):
 
 
 def _inputs(b):
-    g = torch.Generator().manual_seed(3)
-    return lambda: (randn(b, 5, H, seed=1), randn(V, H, seed=2), torch.randint(0, V, (b, 5), generator=g))
+    return lambda: (randn(b, 5, H, seed=1), randn(V, H, seed=2),
+                    torch.randint(0, V, (b, 5), generator=torch.Generator().manual_seed(3)))
 
 
 CASES = [Case(f"linear_cross_entropy/rows_{fn.__name__}", _head(fn), _inputs(5 if fn is rows_of_a_transpose else 3),
