@@ -76,13 +76,13 @@ def _outputs(out) -> list[torch.Tensor]:
     return [o for item in out for o in _outputs(item)] if isinstance(out, (tuple, list)) else []
 
 
-def _fwd_bwd(fn, inputs: tuple, device: str = "cpu") -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+def _fwd_bwd(fn, inputs: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """Outputs, and the gradients of a random projection of them (not a plain sum: its uniform
-    output gradient would hide a swap of two output elements). Tensors the case makes (a ramp, a
-    table) are made on device."""
+    output gradient would hide a swap of two output elements). A case makes its own tensors (a ramp,
+    a table) on its inputs' device (a torch.device context does not reach into Dynamo's trace on
+    torch 2.11)."""
     leaves = _leaves(inputs)
-    with torch.device(device):
-        outs = _outputs(fn(*leaves))
+    outs = _outputs(fn(*leaves))
     g = torch.Generator().manual_seed(7)
     loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum()
                for o in outs if o.is_floating_point() and o.requires_grad)
@@ -109,11 +109,11 @@ def run(case: Case, inner: str = "aot_eager", dynamic: bool | None = False, devi
     import fxfuse
 
     inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in case.inputs())
-    ref_outs, ref_grads = _fwd_bwd(case.fn, inputs, device)
+    ref_outs, ref_grads = _fwd_bwd(case.fn, inputs)
     torch._dynamo.reset()
     n0 = len(fxfuse.compiled_reports())
     compiled = torch.compile(case.fn, backend="fxfuse", options={"inner": inner}, dynamic=dynamic, fullgraph=True)
-    outs, grads = _fwd_bwd(compiled, inputs, device)
+    outs, grads = _fwd_bwd(compiled, inputs)
     report = fxfuse.Report.merge(fxfuse.compiled_reports()[n0:])
     out_err = max([_err(o, r) for o, r in zip(outs, ref_outs)] + [0.0 if len(outs) == len(ref_outs) else float("inf")])
     grad_err = max([_err(g, r) for g, r in zip(grads, ref_grads)], default=0.0)

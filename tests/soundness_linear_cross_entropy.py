@@ -24,6 +24,10 @@ def _x(*shape, seed):
     return randn(*shape, seed=seed) * 0.5
 
 
+def _quarters(*shape, seed):  # integers in [-20, 20] / 4
+    return torch.randint(-20, 21, shape, generator=torch.Generator().manual_seed(seed)).float() / 4
+
+
 def _w(seed, v=V):
     return randn(v, H, seed=seed) * 0.5
 
@@ -115,7 +119,7 @@ def hf_num_items_in_batch(x, w, t):  # sum / num_items_in_batch, the division ou
 
 
 def ignore_index_present_label(x, w, t):  # ignore_index=3 and label 3 occurs (targets have no -100)
-    t = torch.where(torch.arange(t.numel()) % 4 == 0, 3, t)
+    t = torch.where(torch.arange(t.numel(), device=t.device) % 4 == 0, 3, t)
     return F.cross_entropy(F.linear(x, w), t, ignore_index=3)
 
 
@@ -154,7 +158,7 @@ def rl_temperature_logps(x, w, t2d):  # log_softmax(z.float() / 0.7) as TRL / ve
 def grpo_ratio_minus_detached(x, w, t2d):  # exp(lp - lp.detach()): the ratio's gradient, value 1
     lp = F.log_softmax(F.linear(x, w), -1).gather(-1, t2d[..., None]).squeeze(-1)
     # advantages in [0.5, 1.5]: a symmetric ramp made the loss 0 up to rounding, no relative error to compare
-    return -(torch.exp(lp - lp.detach()) * torch.linspace(0.5, 1.5, lp.numel()).view_as(lp)).mean()
+    return -(torch.exp(lp - lp.detach()) * torch.linspace(0.5, 1.5, lp.numel(), device=lp.device).view_as(lp)).mean()
 
 
 # ---- layout: the class dim must be the lm_head's output dim ----
@@ -209,7 +213,7 @@ def vocab_drop_first(x, w, t):  # z[..., 1:], classes shifted by one
 
 # ---- cross_entropy's arguments ----
 def class_weights(x, w, t):  # weight [40] (a constant: nll_loss has no gradient for it); the fused head has none
-    return F.cross_entropy(F.linear(x, w).view(-1, V), t, weight=torch.linspace(0.2, 2.0, V))
+    return F.cross_entropy(F.linear(x, w).view(-1, V), t, weight=torch.linspace(0.2, 2.0, V, device=x.device))
 
 
 def soft_labels(x, w, probs):  # float targets [16, 40]
@@ -341,7 +345,10 @@ CASES: list[Case] = [
     _case("per_token_bias", per_token_bias, _with(lambda s: randn(16, V, seed=s), 515, xs=(16, H)), False),
     _case("stabilised_by_hand", stabilised_by_hand, _in3(525), None),
     _case("temperature_tensor", temperature_tensor, _with(lambda s: torch.tensor(0.7), 530), None),
-    _case("through_bf16", through_bf16, lambda: (_x(2, 8, H, seed=540) * 40, _w(541), _t(16, seed=542)), False),
+    # x, W in quarters of small integers: the logits are exact in fp32 whatever the summation order (an fp32
+    # difference of one bit would become a bf16 step after the rounding), and their rounding to bf16 is not
+    _case("through_bf16", through_bf16, lambda: (_quarters(2, 8, H, seed=540), _quarters(V, H, seed=541),
+                                                 _t(16, seed=542)), False),
     # logits read again
     _case("entropy_bonus", entropy_bonus, _in3(610), None),
     _case("logits_masked_in_place", logits_masked_in_place, _xwt((2, 8, H), (16,), 620, v=36), False),

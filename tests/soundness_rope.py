@@ -26,12 +26,12 @@ B, HQ, HK, T, D = 2, 4, 2, 6, 16
 POS = torch.arange(T) + torch.tensor([[0], [3]])  # [B, T] int64 positions (a packed batch: offsets differ)
 
 
-def inv_freq(d=D, base=10000.0):  # [d/2]
-    return 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+def inv_freq(d=D, base=10000.0, device=None):  # [d/2]
+    return 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
 
 
-def angles(pos, d=D):  # pos [..., T] int -> [..., T, d/2]
-    return pos[..., None].float() * inv_freq(d)
+def angles(pos, d=D):  # pos [..., T] int -> [..., T, d/2], on pos's device
+    return pos[..., None].float() * inv_freq(d, device=pos.device)
 
 
 def hf_tables(pos, d=D):  # HF: emb = cat(freqs, freqs) -> cos, sin [..., T, d]
@@ -157,7 +157,7 @@ def rotary_6_of_10(x, cos, sin):  # D = 10, halves of 3
 
 
 def kv_cache_offset(q, k):  # [T_max, D] tables sliced at a position offset: cos[2:2 + T] (no unsqueeze)
-    cos, sin = hf_tables(torch.arange(16))
+    cos, sin = hf_tables(torch.arange(16, device=q.device))
     t = q.shape[2]
     cos, sin = cos[2:2 + t], sin[2:2 + t]
     return hf(q, cos, sin), hf(k, cos, sin)
@@ -170,7 +170,7 @@ def k_own_positions(q, k, pos):  # k's tables from other positions: k must get i
 
 
 def k_shorter_table_slice(q, k):  # q T=6, k T=4 (a shorter k): cos[:T] sliced per tensor
-    cos, sin = hf_tables(torch.arange(8))
+    cos, sin = hf_tables(torch.arange(8, device=q.device))
     return hf(q, cos[:q.shape[2]], sin[:q.shape[2]]), hf(k, cos[:k.shape[2]], sin[:k.shape[2]])
 
 

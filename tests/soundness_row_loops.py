@@ -65,7 +65,7 @@ def rows_of_a_transpose(z, t):  # [5, 5, V]: the loop walks dim 1
 def _head(logps):
     def head(x, w, t):
         lp = logps(F.linear(x, w), t)
-        return -(lp * torch.linspace(0.5, 1.5, lp.shape[-1])).sum()
+        return -(lp * torch.linspace(0.5, 1.5, lp.shape[-1], device=lp.device)).sum()
     head.__name__ = logps.__name__
     return head
 
