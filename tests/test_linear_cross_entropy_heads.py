@@ -1,9 +1,12 @@
 """Loss heads of other model families: BART's logits bias added on its own (and the autocast case
-where that add promotes), and fp32 logits a model returns under autocast (Mamba)."""
+where that add promotes), and the logits a model returns: exact and guarded (HF Llama), fp32 under
+autocast (Mamba)."""
+import copy
+
 import torch
 
 import fxfuse
-from helpers import batch, bf16_errors, compiled_parity, hf_model
+from helpers import assert_logits_guarded, batch, bf16_errors, compiled_parity, hf_model, loss_and_grads, rel_err
 
 FP32_TOL = 1e-5
 
@@ -103,3 +106,26 @@ def test_returned_fp32_logits_through_a_slice_under_autocast():
     assert last.dtype == torch.float32
     torch.testing.assert_close(last, ref_last, rtol=0, atol=0)
     torch.testing.assert_close(loss, ref_loss, rtol=2e-3, atol=0)
+
+
+def test_returned_logits_exact_and_guarded():
+    """HF's returned logits: eager's values; the loss's backward as eager's, also after an in-place
+    write to the logits (same storage, not a view); a backward through them raises; under no_grad
+    nothing is guarded."""
+    model = hf_model("llama")
+    inputs = batch()
+    ref_loss, ref_grads = loss_and_grads(model, inputs)
+    ref = model(**inputs).logits
+    mine = copy.deepcopy(model)
+    # the loss head alone: other fusions change the hidden states within fp32 rounding
+    options = {"inner": "aot_eager", "patterns": ["linear_cross_entropy"]}
+    compiled = torch.compile(mine, backend="fxfuse", options=options)
+    out = compiled(**inputs)
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1
+    torch.testing.assert_close(out.logits, ref, rtol=0, atol=0)
+    out.logits[..., 0] = 0.0
+    out.loss.backward()
+    assert max(rel_err(p.grad, ref_grads[n]) for n, p in mine.named_parameters()) < FP32_TOL
+    assert_logits_guarded(lambda: tuple(compiled(**inputs)[:2]))
+    with torch.no_grad():
+        assert not compiled(**inputs).logits.requires_grad
