@@ -23,8 +23,8 @@ DOC = {
     "patterns": f"iterable of pattern names to fuse, subset of {PATTERN_NAMES} (default: all)",
     "debug_dir": "folder for one report dump per compiled graph (default: $FXFUSE_DEBUG_DIR, else none)",
     "inductor_config": "dict of torch._inductor.config overrides for the inner Inductor compile",
-    "logits": "'exact' (default): logits a fused loss head returns are computed exactly (detached); "
-              "'skip': not computed, any use raises",
+    "logits": "'exact' (default): logits a fused loss head returns are computed exactly (no gradient flows "
+              "through them: a backward that reaches them raises); 'skip': not computed, any use raises",
     "loss_head": "'auto' (default): 'fast' when the inner compiler is Inductor (it scales the saved "
                  "gradients in place), else 'lean'; 'lean': the fused loss head recomputes logits in "
                  "backward (4 matmuls, ~100 MiB above dW + dx); 'fast': gradients formed in the forward "
