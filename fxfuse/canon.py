@@ -145,9 +145,11 @@ def _tensor_args(n: fx.Node) -> list[tuple[str, fx.Node]]:
     return out
 
 
-def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict[fx.Node, fx.Node]]:
+def build_view(graph: fx.Graph, written: dict | None = None
+               ) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict[fx.Node, fx.Node]]:
     """networkx view of graph: nodes keyed by FX node name, edges carry the argument position.
-    Also returns the elided no-op casts (cast -> its input)."""
+    Also returns the elided no-op casts (cast -> its input). written: mutation.written_storages(graph),
+    where the caller has it."""
     g = nx.MultiDiGraph()
     vnodes: dict[str, VNode] = {}
     alias: dict[fx.Node, fx.Node] = {}  # elided cast -> the node its users see
@@ -159,12 +161,16 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
         return n
 
     nodes = list(graph.nodes)
-    # a node read as another that equals it by value is wrong where either is written in place
-    written = written_storages(graph)
+    written = written_storages(graph) if written is None else written
+
+    def unwritten(n: fx.Node, src: fx.Node) -> bool:
+        """n may read as src: reading one as the other is wrong where either is written in place."""
+        return not {n, src} & written.keys()
+
     for n in nodes:
-        if n.op == "call_function" and n.target in CASTS and is_noop_cast(n) and not {n, n.args[0]} & written.keys():
+        if n.op == "call_function" and n.target in CASTS and is_noop_cast(n) and unwritten(n, n.args[0]):
             alias[n] = n.args[0]
-        if (unscaled := _unscaled(n)) is not None and not {n, unscaled} & written.keys():
+        if (unscaled := _unscaled(n)) is not None and unwritten(n, unscaled):
             alias[n] = unscaled
         if _is_reciprocal_sqrt(n):
             absorbed.add(n)
@@ -177,7 +183,7 @@ def build_view(graph: fx.Graph) -> tuple[nx.MultiDiGraph, dict[str, VNode], dict
         if n.op == "call_function" and n.target == aten.cross_entropy_loss.default:
             chain = _logits_chain(n.args[0])
             for link in chain + _logits_slices(chain[-1].args[0] if chain else n.args[0]):
-                if not {link, link.args[0]} & written.keys():
+                if unwritten(link, link.args[0]):
                     alias[link] = link.args[0]
         # sum feeding only div(sum, N) or mul(sum, 1 / N), N its element count, is folded into it (-> mean)
         if _mean_of_sum(n):

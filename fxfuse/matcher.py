@@ -99,11 +99,13 @@ class GraphMatcher:
     def __init__(self, graph: fx.Graph):
         self.graph = graph
         self.nodes = {n.name: n for n in graph.nodes}
-        self.view, self.vnodes, self.alias = build_view(graph)
-        self.rview = self.view.reverse(copy=False)
+        # the graph's order, grad-mode segments and in-place writes, also read where the rewrite
+        # places the fused calls (before it changes the graph)
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         self.segment = grad_segments(graph)
         self.written = written_storages(graph)
+        self.view, self.vnodes, self.alias = build_view(graph, self.written)
+        self.rview = self.view.reverse(copy=False)
 
     def find(self, pattern: Pattern) -> tuple[list[Match], list[Miss]]:
         claimed: set[fx.Node] = set()  # FX nodes inside accepted matches

@@ -7,8 +7,7 @@ import torch
 import torch.fx as fx
 
 from .canon import CASTS, is_noop_cast, val
-from .matcher import GraphMatcher, Match, grad_segments
-from .mutation import written_storages
+from .matcher import GraphMatcher, Match
 from .normalize import eliminate_dead_code
 from .options import Options
 from .pattern import Pattern
@@ -140,20 +139,19 @@ def _bypass_noop_casts(n: fx.Node, new: fx.Node) -> None:
             n.graph.erase_node(u)  # dead now, and it may sit before new
 
 
-def _placed_groups(pattern: Pattern, matches: list[Match], graph: fx.Graph
+def _placed_groups(pattern: Pattern, matches: list[Match], matcher: GraphMatcher
                    ) -> list[tuple[list[Match], fx.Node, list[fx.Node]]]:
     """(group, node to insert its fused call before, views to move after the call). The call goes
     before the group's first anchor if every input exists by then, else right after its last input
     if no anchor is used before that (gpt-fast computes k's input after q's rotation) or used only
     by views that can follow the call (Gemma 4 transposes q before it projects k); a group that fits
     none of these is split."""
-    order, segment = {n: i for i, n in enumerate(graph.nodes)}, grad_segments(graph)
+    order, segment, written = matcher.order, matcher.segment, matcher.written  # the graph matches were found in
     groups = pattern.group(matches) if pattern.group else [[m] for m in matches]
     # one fused call never spans two activation-checkpointed regions (nor a region and the outside),
     # nor two grad modes
     place = lambda m: (m.anchor.meta.get("ac_graph_id"), segment[m.anchor])  # noqa: E731
     groups = [[m for m in g if place(m) == where] for g in groups for where in dict.fromkeys(map(place, g))]
-    written = written_storages(graph)
 
     def reads_as_eager(g: list[Match], where: fx.Node) -> bool:
         """No in-place write to a member's inputs between where the call reads them and where eager did."""
@@ -253,8 +251,9 @@ def rewrite(gm: fx.GraphModule, patterns: list[Pattern], opts: Options) -> Repor
     skipped: list[fx.Node] = []
     detached: set[fx.Node] = set()  # escaping values now computed from detached inputs
     for pattern in patterns:
-        matches, misses = GraphMatcher(gm.graph).find(pattern)
-        for group, where, views in _placed_groups(pattern, matches, gm.graph):
+        matcher = GraphMatcher(gm.graph)
+        matches, misses = matcher.find(pattern)
+        for group, where, views in _placed_groups(pattern, matches, matcher):
             first = group[0].anchor
             variant = "+".join(dict.fromkeys(m.variant.name for m in group))
             before = set(gm.graph.nodes)

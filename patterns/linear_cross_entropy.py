@@ -263,7 +263,6 @@ def _bias_add(m) -> fx.Node:
     return n
 
 
-
 def _vocab_prefix(m) -> int | None:
     """V where the logits are the lm_head's output sliced to its first V columns, else None."""
     z = _logits_node(m)
