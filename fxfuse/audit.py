@@ -60,7 +60,8 @@ from .audit_compare import divergence, load_reference, pairwise_divergence, refe
 from .audit_plot import plot_png
 from .audit_render import render
 from .audit_fit import search_largest
-from .audit_worker import MASKS, MODES, PRESETS, SYNTHETIC
+from .audit_data import MASKS, SYNTHETIC
+from .audit_worker import MODES, PRESETS
 from .options import INNER
 
 

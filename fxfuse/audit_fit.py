@@ -13,6 +13,7 @@ import time
 import torch
 
 from . import audit_worker as worker
+from .audit_data import Batches
 
 
 def _oom_reason(e: BaseException) -> str:
@@ -89,7 +90,7 @@ def fit_batch(spec: dict, progress=None) -> dict:
     out = {"mode": spec["mode"], "status": "running", "largest": None, "probes": probes, "dynamic_batch": dynamic}
 
     def fits(n: int) -> bool:
-        data = worker.Batches(vocab, n, spec["seq"], spec["seed"], device, mask=spec.get("attention_mask", "none"))
+        data = Batches(vocab, n, spec["seq"], spec["seed"], device, mask=spec.get("attention_mask", "none"))
         reason = None
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)

@@ -17,6 +17,7 @@ import torch
 
 import fxfuse.audit_worker as worker
 from fxfuse.audit import _kv, run_worker, search_largest
+from fxfuse.audit_data import Batches
 from fxfuse.audit_plot import Progress
 from fxfuse.audit_fit import fit_batch
 from fxfuse.audit_worker import build_model
@@ -268,8 +269,8 @@ def test_zipf_tokens_are_seeded_skewed_and_in_range():
     """--synthetic zipf: the same batches in every mode (seeded), token frequencies ~ 1/rank (the top
     token ~ 1/H(V) of all tokens, not 1/V), every id a valid token; uniform stays uniform."""
     vocab, batch, seq = 1000, 4, 512
-    a = worker.Batches(vocab, batch, seq, seed=3, device="cpu", synthetic="zipf")
-    b = worker.Batches(vocab, batch, seq, seed=3, device="cpu", synthetic="zipf")
+    a = Batches(vocab, batch, seq, seed=3, device="cpu", synthetic="zipf")
+    b = Batches(vocab, batch, seq, seed=3, device="cpu", synthetic="zipf")
     ids = a(0)["input_ids"]
     assert ids.shape == (batch, seq) and torch.equal(ids, b(0)["input_ids"]) and not torch.equal(ids, a(1)["input_ids"])
     assert 0 <= int(ids.min()) and int(ids.max()) < vocab
@@ -277,10 +278,10 @@ def test_zipf_tokens_are_seeded_skewed_and_in_range():
     harmonic = (1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)).sum()
     top_share = counts.max() / counts.sum()
     assert abs(top_share - 1 / harmonic) < 0.03, (top_share, 1 / harmonic)  # ~0.134 for V=1000
-    uniform = worker.Batches(vocab, batch, seq, seed=3, device="cpu")(0)["input_ids"]
+    uniform = Batches(vocab, batch, seq, seed=3, device="cpu")(0)["input_ids"]
     assert torch.bincount(uniform.flatten(), minlength=vocab).max() / uniform.numel() < 0.01
     with pytest.raises(ValueError, match="zipf"):
-        worker.Batches(vocab, batch, seq, seed=3, device="cpu", synthetic="zip")
+        Batches(vocab, batch, seq, seed=3, device="cpu", synthetic="zip")
 
 
 def test_lr_warmup_schedule():

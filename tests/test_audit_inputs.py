@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import fxfuse.audit_worker as worker
+from fxfuse.audit_data import Batches
 from fxfuse.audit_worker import build_model
 
 
@@ -19,12 +19,12 @@ def test_batches_attention_mask_and_lengths():
     tokens as they are, "padded" right-pads each row after a length in [seq/2, seq] (pad id 0, label
     -100 exactly where the mask is 0); step i has length L[i % k]."""
     vocab, batch, seq = 1000, 8, 32
-    plain = worker.Batches(vocab, batch, seq, seed=3, device="cpu")(0)
+    plain = Batches(vocab, batch, seq, seed=3, device="cpu")(0)
     assert set(plain) == {"input_ids", "labels"}
-    ones = worker.Batches(vocab, batch, seq, seed=3, device="cpu", mask="ones")(0)
+    ones = Batches(vocab, batch, seq, seed=3, device="cpu", mask="ones")(0)
     assert torch.equal(ones["input_ids"], plain["input_ids"]) and bool((ones["attention_mask"] == 1).all())
-    a = worker.Batches(vocab, batch, seq, seed=3, device="cpu", mask="padded", seq_lengths=[32, 20])
-    b = worker.Batches(vocab, batch, seq, seed=3, device="cpu", mask="padded", seq_lengths=[32, 20])
+    a = Batches(vocab, batch, seq, seed=3, device="cpu", mask="padded", seq_lengths=[32, 20])
+    b = Batches(vocab, batch, seq, seed=3, device="cpu", mask="padded", seq_lengths=[32, 20])
     x, y = a(0), b(0)
     assert all(torch.equal(x[k], y[k]) for k in x)
     keep = x["attention_mask"]
@@ -35,7 +35,7 @@ def test_batches_attention_mask_and_lengths():
     assert torch.equal(x["labels"][keep == 1], plain["input_ids"][keep == 1])
     assert [a(i)["input_ids"].shape[1] for i in range(4)] == [32, 20, 32, 20]
     with pytest.raises(ValueError, match="mask"):
-        worker.Batches(vocab, batch, seq, seed=3, device="cpu", mask="causal")
+        Batches(vocab, batch, seq, seed=3, device="cpu", mask="causal")
 
 
 def test_run_with_padded_mask_and_varying_lengths(tmp_path):
@@ -73,7 +73,7 @@ def test_dynamic_compile_reports_each_graph_once_and_runs_is_causal():
     torch._dynamo.reset()
     model = build_model("llama", {"num_hidden_layers": 1}, True, torch.float32, "cpu", seed=0)
     compiled = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"}, dynamic=True)
-    data = worker.Batches(model.config.vocab_size, 2, 16, seed=0, device="cpu", mask="ones", seq_lengths=[16, 12])
+    data = Batches(model.config.vocab_size, 2, 16, seed=0, device="cpu", mask="ones", seq_lengths=[16, 12])
     n0, runs0 = len(compiled_reports()), RUNS.copy()
     for i in range(3):
         batch = data(i)
