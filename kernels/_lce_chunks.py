@@ -114,3 +114,9 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.add_(a @ b)
     else:
         acc.addmm_(a.float(), b.float())
+
+
+def _dense(x, weight, target, bias):
+    """The inputs the kernels index with unit strides (rows of x and weight, target, bias[v0:]) made
+    contiguous; a strided bias (bias[::2], a view of a wider buffer) was read as its first V elements."""
+    return x.contiguous(), weight.contiguous(), target.contiguous(), None if bias is None else bias.contiguous()

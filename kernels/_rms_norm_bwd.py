@@ -77,7 +77,8 @@ def _rms_norm_bwd_kernel(
         sxx = tl.sum(xf * xf, axis=1)
         if INDEPENDENT_SUMS:
             sgx = tl.sum(g * xf, axis=1)
-        rstd = tl.math.rsqrt(sxx / D + eps)
+        # 0 on the tile's padded rows (x = 0): at eps = 0 their rsqrt(0) = inf made 0 * inf = nan in dw
+        rstd = tl.where(rows < M, tl.math.rsqrt(sxx / D + eps), 0.0)
         xhat = xf * rstd[:, None]
         if INDEPENDENT_SUMS:
             c = sgx * rstd / D

@@ -67,7 +67,7 @@ import triton.language as tl
 
 from . import linear_cross_entropy_fast  # noqa: F401  registers the fast op (algorithm="fast" calls it)
 from ._dispatch import use_triton
-from ._lce_chunks import (_addmm_f32_, _block, _cols_per_chunk, _cols_per_group, _num_warps, _raw_logits,
+from ._lce_chunks import (_addmm_f32_, _block, _cols_per_chunk, _cols_per_group, _dense, _num_warps, _raw_logits,
                           _rows_per_pass, _rows_per_program, _view)
 from ._lce_logits import (_bad_targets, _dlogits, _dlogits_reference, _dlogits_vscaled, _dlogits_vscaled_reference,
                           _logits, _logits_reference, _reduce_like_eager, _vocab_scale,
@@ -206,7 +206,7 @@ def linear_cross_entropy_fwd(
     fp32_transform: bool, vocab_scale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row losses [N] fp32 (0 on ignored rows) and logsumexp [N] fp32 (saved for backward)."""
-    x, weight, target = x.contiguous(), weight.contiguous(), target.contiguous()
+    x, weight, target, bias = _dense(x, weight, target, bias)
     vs = _vocab_scale(vocab_scale, weight, eager_rounding)
     n, h = x.shape
     vocab = weight.shape[0]
@@ -247,7 +247,7 @@ def linear_cross_entropy_bwd(
     need_dw: bool, need_db: bool, vocab_scale: Optional[torch.Tensor] = None, need_ds: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias, dvocab_scale); each one not needed is an empty tensor."""
-    x, weight, target = x.contiguous(), weight.contiguous(), target.contiguous()
+    x, weight, target, bias = _dense(x, weight, target, bias)
     vs = _vocab_scale(vocab_scale, weight, eager_rounding)
     need_ds = need_ds and vs is not None
     n, h = x.shape
@@ -256,7 +256,8 @@ def linear_cross_entropy_bwd(
     on_triton = x.is_cuda or use_triton(x)
     low = x.dtype if eager_rounding else None
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
-    dw = torch.empty_like(weight) if need_dw else weight.new_empty(0)
+    # no pass runs on an empty batch (N = 0): dW is then zeros, as eager's
+    dw = (weight.new_zeros if n == 0 else weight.new_empty)(weight.shape) if need_dw else weight.new_empty(0)
     db = torch.zeros(vocab, device=x.device, dtype=torch.float32) if need_db else x.new_empty(0)
     ds = torch.zeros(vocab, device=x.device, dtype=torch.float32) if need_ds else x.new_empty(0)
     ones = torch.ones(min(_rows_per_pass(n, h), n) if need_ds else 0, device=x.device, dtype=torch.float32)

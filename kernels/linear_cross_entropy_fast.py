@@ -48,7 +48,7 @@ import triton.language as tl
 from . import _lce_chunks as _chunks
 from ._dispatch import no_double_backward, num_sms, use_triton
 from ._round import rne_by_bits, round_code
-from ._lce_chunks import _block, _num_warps, _rows_per_program, _view
+from ._lce_chunks import _block, _dense, _num_warps, _rows_per_program, _view
 from ._lce_logits import (_bad_targets, _dlogits, _dlogits_reference, _dlogits_vscaled, _dlogits_vscaled_reference,
                           _logits, _logits_reference, _reduce_like_eager, _vocab_scale)
 
@@ -242,7 +242,7 @@ def linear_cross_entropy_fast(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, dx, dweight, dbias, dvocab_scale) for an upstream gradient of 1; each one not needed is
     empty (the scale's grad only with need_ds: without it a scaled pass skips the column sweep)."""
-    x, weight, target = x.contiguous(), weight.contiguous(), target.contiguous()
+    x, weight, target, bias = _dense(x, weight, target, bias)
     vs = _vocab_scale(vocab_scale, weight, eager_rounding)
     n, h = x.shape
     vocab = weight.shape[0]
@@ -301,16 +301,20 @@ def _setup_context(ctx, inputs, output):
     bias, (need_dx, need_dw, need_db) = inputs[2], inputs[11:14]
     vocab_scale, need_ds = (*inputs[14:], None, False)[:2]
     ctx.computed = (need_dx, need_dw, need_db and bias is not None, need_ds and vocab_scale is not None)
-    ctx.save_for_backward(*output[1:])
+    target, ignore_index = inputs[3], inputs[4]
+    ctx.save_for_backward(*output[1:], (target != ignore_index).any())  # [4 grads], 0-dim bool: a row counts
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _backward(ctx, dloss, _ddx, _ddw, _ddb, _dds):
-    grads = ctx.saved_tensors
+    *grads, counted = ctx.saved_tensors
     needs = ctx.needs_input_grad  # one per input the call passed: 14, or 15 / 16 with vocab_scale
     wanted = [need and have for need, have in zip((*needs[:3], len(needs) > 14 and needs[14]), ctx.computed)]
     if dloss is None or not any(wanted):
         return (None,) * len(needs)
+    # every row ignored: the grads are zeros and stay zeros, as eager's, whatever dloss is (an
+    # all-ignored micro-batch's sum / its own count of 0 gives dloss = inf, and 0 * inf = nan)
+    dloss = torch.where(counted, dloss, 0.0)
     out = [g * dloss if want else None for g, want in zip(grads, wanted)]
     if torch.is_grad_enabled():  # create_graph=True: the precomputed grads have no derivative
         kept = [g for g in out if g is not None]

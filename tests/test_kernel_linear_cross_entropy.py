@@ -76,6 +76,38 @@ def test_all_ignored(red, algo):
         assert torch.equal(r, torch.zeros_like(r)) and torch.equal(g, r)
 
 
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_all_ignored_over_its_own_count_gives_zero_gradients(algo):
+    """An all-ignored micro-batch normalised by its own token count: loss = CE(sum) / 0 = nan, and
+    eager's gradients are zeros. The fast algorithm scaled its gradients (made for an upstream
+    gradient of 1) by the real one, inf: 0 * inf = nan in every entry of dx and dW."""
+    x, w, b, t = inputs(20, 24, 211, torch.float32, True)
+    t.fill_(-100)
+
+    def over_count(op):
+        return lambda x, w, b, t, *args: op(x, w, b, t, *args) / (t != -100).sum()
+
+    got = fwd_bwd(over_count(op_with(algo)), x, w, b, t, -100, "sum", 0.0, 0.0, 1.0)
+    ref = fwd_bwd(over_count(EAGER), x, w, b, t, -100, "sum", 0.0, 0.0, 1.0)
+    assert torch.isnan(ref[0]) and torch.isnan(got[0])
+    for g, r in zip(got[1:], ref[1:]):
+        assert torch.equal(r, torch.zeros_like(r)) and torch.equal(g, r)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_strided_bias_and_empty_batch(algo):
+    """A bias that is a strided view (bias[::2] of a wider buffer) was read as its buffer's first V
+    elements by the lean kernels; an empty batch (N = 0) left the lean dW uninitialised."""
+    x, w, b, t = inputs(20, 24, 211, torch.float32, True)
+    wide = torch.randn(2 * 211, generator=torch.Generator().manual_seed(3))
+    got = fwd_bwd(lambda x, w, b, t, *a: op_with(algo)(x, w, b[::2], t, *a), x, w, wide, t, -100, "mean", 0.0, 0.0, 1.0)
+    ref = fwd_bwd(lambda x, w, b, t, *a: EAGER(x, w, b[::2], t, *a), x, w, wide, t, -100, "mean", 0.0, 0.0, 1.0)
+    for g, r in zip(got, ref):
+        assert rel(g, r) < 1e-5
+    got = fwd_bwd(op_with(algo), x[:0], w, b, t[:0], -100, "sum", 0.0, 0.0, 1.0)
+    assert got[0].item() == 0.0 and all(torch.equal(g, torch.zeros_like(g)) for g in got[1:])
+
 @pytest.mark.parametrize("n", [1, 8, 128, 1000])
 @pytest.mark.parametrize("ii", [-100, 0, -1])
 @pytest.mark.parametrize("red", ["mean", "sum"])

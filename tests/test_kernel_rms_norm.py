@@ -103,6 +103,17 @@ def test_non_contiguous_inputs():
     assert rel(got, rms_norm_reference(xs, w, EPS, 0.0, False, xs.dtype)) < 1e-5
 
 
+
+@pytest.mark.parametrize("rows", [3, 10, 17])
+def test_eps_zero_backward_on_a_partial_row_tile(rows):
+    """eps = 0 with every row nonzero: the backward tile's padded rows (x = 0) had rstd = rsqrt(0) =
+    inf and put 0 * inf = nan into every dw column whenever the row count left a partial tile."""
+    x, w, dy = inputs((rows,), 24, torch.float32)
+    got = grads(lambda x, w: rms_norm(x, w, 0.0, 0.0, True, x.dtype), x, w, dy)
+    ref = grads(lambda x, w: rms_norm_reference(x, w, 0.0, 0.0, True, x.dtype), x, w, dy)
+    for a, b in zip(got, ref):
+        assert torch.isfinite(a).all() and rel(a, b) < 1e-5
+
 def test_out_dtype_and_fake_shapes():
     x, w, _ = inputs((3, 5), 40, torch.bfloat16)
     y = rms_norm(x, w, EPS, 0.0, False, torch.float32)
