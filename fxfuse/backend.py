@@ -168,14 +168,22 @@ def inner_compile(gm: fx.GraphModule, example_inputs, opts: Options, mode: str |
         return compile_fx(gm, example_inputs, config_patches={**mode_opts, **opts.inductor_patches()})
 
 
+def hashed_files() -> list[Path]:
+    """The sources of the fused ops: fxfuse.kernels and fxfuse.patterns, found through their package
+    paths (an editable install maps them to the checkout's kernels/ and patterns/, not fxfuse/'s
+    subfolders: a hash of those found no file and never changed)."""
+    import fxfuse.kernels
+    import fxfuse.patterns
+
+    return [f for pkg in (fxfuse.kernels, fxfuse.patterns) for d in pkg.__path__ for f in sorted(Path(d).glob("*.py"))]
+
+
 @functools.cache
 def source_hash() -> str:
-    """Hash of fxfuse's kernels and patterns: the fused ops' schemas and how they decompose."""
+    """Hash of fxfuse's kernels and patterns: the fused ops' schemas, autograd and how they decompose."""
     h = hashlib.sha256()
-    root = Path(__file__).resolve().parent
-    for sub in ("kernels", "patterns"):
-        for f in sorted((root / sub).glob("*.py")):
-            h.update(f.name.encode() + f.read_bytes())
+    for f in hashed_files():
+        h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:16]
 
 

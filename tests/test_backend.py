@@ -328,6 +328,23 @@ def test_kernel_change_misses_the_compile_cache(monkeypatch, tmp_path):
     assert compile_once()[1]  # the forward misses (the backward compiles later, its code decomposed)
 
 
+def test_cache_salt_reads_every_kernel_and_pattern_source():
+    """The salt above hashes the fused ops' sources wherever the install put them: an editable install
+    maps fxfuse.kernels / fxfuse.patterns to the checkout's kernels/ and patterns/, where a hash of
+    fxfuse/'s own subfolders found no file, stayed constant, and let a cached backward of an older
+    kernel run after an edit or upgrade."""
+    import hashlib
+    from pathlib import Path
+
+    import fxfuse.backend as backend
+
+    files = sorted((f.parent.name, f.name) for f in backend.hashed_files())
+    root = Path(__file__).resolve().parents[1]
+    assert files == sorted((d, f.name) for d in ("kernels", "patterns") for f in (root / d).glob("*.py"))
+    assert {("kernels", "linear_cross_entropy_fast.py"), ("patterns", "rope.py")} <= set(files)
+    assert backend.source_hash() != hashlib.sha256().hexdigest()[:16]  # not the hash of nothing
+
+
 def test_compiled_autograd_captures_the_fused_backward():
     """Compiled autograd (an option of torchtitan and FSDP2 setups) traces the backward of every fused
     op into the backward graph it compiles: one capture holding each pattern's backward op, the loss and
