@@ -18,7 +18,7 @@ import torch.fx as fx
 from networkx.algorithms.isomorphism import MultiDiGraphMatcher
 
 from .canon import EDGE, VNode, build_view
-from .mutation import written_storages
+from .mutation import written_args, written_storages
 from .pattern import Free, Pattern, PatternGraph, Variant, is_sentinel, trace_variant
 
 
@@ -93,6 +93,9 @@ def grad_segments(graph: fx.Graph) -> dict[fx.Node, int]:
     return out
 
 
+_LAYOUT_DEPTH = 6  # users followed from a non-contiguous site output to an in-place write
+
+
 class GraphMatcher:
     """Matches patterns against one FX graph; rebuild after each rewrite."""
 
@@ -157,6 +160,27 @@ class GraphMatcher:
             region |= extra
             grown = bool(extra)
         return region
+
+    def _written_layout(self, out: fx.Node) -> str | None:
+        """Why a site whose output is written in place cannot change that output's layout, else None.
+        A view of a written tensor stays a view in the rewritten graph (fxfuse/layout.py), and a view
+        valid on eager's non-contiguous output (a norm of x.transpose(1, 2), viewed after transposing
+        back) fails on the fused op's contiguous one."""
+        v = out.meta.get("val")
+        if not self.written or not isinstance(v, torch.Tensor) or v.is_contiguous():
+            return None
+        # the layout carries on through the ops after it (w * y keeps y's): a few users deep
+        seen, todo = {out}, [out]
+        for _ in range(_LAYOUT_DEPTH):
+            todo = [u for n in todo for u in n.users if u not in seen]
+            seen.update(todo)
+        # an in-place op writing one of them (not one that only reads it: a KV cache's index_copy_)
+        w = next((n for n in seen if any(a in seen for a in written_args(n))), None)
+        if w is None:
+            return None
+        return (f"its output {out.name} keeps its input's strides {tuple(v.stride())} in eager, and a tensor "
+                f"after it is written in place ({w.name}: {w.target}): a view written through needs eager's "
+                "layout, and the fused op's output is contiguous")
 
     def _write_inside(self, region: set[fx.Node], inputs: dict, out: fx.Node) -> tuple[fx.Node, fx.Node] | None:
         """(a node the site reads, an in-place write to its storage) where the write comes after the
@@ -233,6 +257,9 @@ class GraphMatcher:
                 first_reason = first_reason or (
                     f"{write[0].name} is written in place ({write[1].target}) after the site first reads it and "
                     "before the site's last read: eager reads it on both sides of the write, one fused op once")
+                continue
+            if (layout := self._written_layout(out)) is not None:
+                first_reason = first_reason or layout
                 continue
             if len({self.segment[n] for n in region}) > 1:
                 first_reason = first_reason or (

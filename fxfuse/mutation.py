@@ -33,13 +33,13 @@ def _viewed(n: fx.Node) -> fx.Node | None:
     if n.target is operator.getitem:  # a piece of split / unbind / chunk
         src = n.args[0]
         return src.args[0] if isinstance(src, fx.Node) and _returns_view(src.target) else None
-    written = _written(n)
+    written = written_args(n)
     if written:
         return written[0]
     return n.args[0] if _returns_view(n.target) and n.args and isinstance(n.args[0], fx.Node) else None
 
 
-def _written(n: fx.Node) -> list[fx.Node]:
+def written_args(n: fx.Node) -> list[fx.Node]:
     """The arguments n writes in place (aten.mul_'s self, copy_'s self, index_put_'s self, out=)."""
     if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
         return []
@@ -61,7 +61,7 @@ def written_storages(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
         src = _viewed(n)
         if src is not None:
             base[n] = base.get(src, src)
-        for a in _written(n):
+        for a in written_args(n):
             writes[base.get(a, a)].append(n)
     if not writes:
         return {}

@@ -162,8 +162,26 @@ def _placed_groups(pattern: Pattern, matches: list[Match], matcher: GraphMatcher
                 return False
         return True
 
+    def chained(g: list[Match]) -> bool:
+        """A member's input computed from another member's output (a rotation of a rotation): one call
+        cannot take both. Walks the inputs' ancestors back to the group's first anchor only."""
+        anchors = {m.anchor for m in g}
+        lo = min(order[a] for a in anchors)
+        todo, seen = [i for m in g for i in m.inputs.values() if isinstance(i, fx.Node)], set()
+        while todo:
+            n = todo.pop()
+            if n in anchors:
+                return True
+            if n not in seen and order[n] > lo:
+                seen.add(n)
+                todo += n.all_input_nodes
+        return False
+
     out = []
     for g in groups:
+        if len(g) > 1 and chained(g):
+            out += [([m], m.anchor, []) for m in g]
+            continue
         first = min((m.anchor for m in g), key=order.__getitem__)
         last_input = max((i for m in g for i in m.inputs.values()), key=order.__getitem__)
         first_use = min((order[u] for m in g for u in _real_users(m.anchor)), default=len(order))

@@ -158,8 +158,9 @@ def group(matches: list) -> list[list]:
     by_tables: dict[tuple, list] = {}
     memo: dict[fx.Node, object] = {}
     for m in matches:
-        # one call rotates both in one dtype: only rotations of equal input and output dtypes pair
-        dtypes = (val(m.inputs["x"]).dtype, val(m.anchor).dtype)
+        # one call rotates both in one dtype: only rotations of equal input and output dtypes pair;
+        # and its two outputs require grad alike: a detached k beside q would come back requiring grad
+        dtypes = (val(m.inputs["x"]).dtype, val(m.anchor).dtype, requires_grad(m.inputs["x"]))
         key = (m.consts["form"], *dtypes, *(_same_value_key(t, memo) for t in _tables(m)))
         by_tables.setdefault(key, []).append(m)
     return [ms[i:i + 2] for ms in by_tables.values() for i in range(0, len(ms), 2)]
