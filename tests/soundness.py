@@ -122,6 +122,10 @@ def run(case: Case, inner: str = "aot_eager", dynamic: bool | None = False, devi
 
 
 def all_cases() -> list[Case]:
+    import soundness_layouts_linear_cross_entropy
+    import soundness_layouts_rms_norm
+    import soundness_layouts_rope
+    import soundness_layouts_swiglu
     import soundness_linear_cross_entropy
     import soundness_rms_norm
     import soundness_rope
@@ -129,7 +133,8 @@ def all_cases() -> list[Case]:
     import soundness_swiglu
 
     return [c for mod in (soundness_rms_norm, soundness_rope, soundness_swiglu, soundness_linear_cross_entropy,
-                          soundness_row_loops) for c in mod.CASES]
+                          soundness_row_loops, soundness_layouts_rms_norm, soundness_layouts_rope,
+                          soundness_layouts_swiglu, soundness_layouts_linear_cross_entropy) for c in mod.CASES]
 
 
 def main() -> int:
