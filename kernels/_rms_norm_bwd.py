@@ -15,7 +15,7 @@ graph's eager adds.
 import triton
 import triton.language as tl
 
-from ._rms_norm_split import grad_out
+from ._rms_norm_split import dw_term, grad_out
 from ._round import add_rounded, round_dtype, round_to
 
 
@@ -33,7 +33,7 @@ def _rms_norm_bwd_kernel(
     offset,
     HAS_WEIGHT: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
-    ROUND: tl.constexpr,  # eager's roundings of w * xhat.to(dtype)'s grads: dy * w and dy * xhat
+    ROUND: tl.constexpr,  # eager's roundings of w * xhat.to(x.dtype)'s grads (x.dtype; _rms_norm_split.dw_term)
     RNE_BY_BITS: tl.constexpr,
     INDEPENDENT_SUMS: tl.constexpr,  # sum(g * xhat) as rstd * sum(g * xf) (module doc)
     BLOCK_M: tl.constexpr,
@@ -91,7 +91,7 @@ def _rms_norm_bwd_kernel(
             dx = add_rounded(dx, r, dx_ptr.dtype.element_ty, RNE_BY_BITS, ADD_RN)
         tl.store(dx_ptr + offs, dx, mask=mask)
         if COMPUTE_DW:
-            dw_acc += round_to(dyf * round_to(xhat, ROUND, RNE_BY_BITS), ROUND, RNE_BY_BITS)
+            dw_acc += dw_term(dyf, round_to(xhat, ROUND, RNE_BY_BITS), dy_ptr.dtype.element_ty, ROUND, RNE_BY_BITS)
 
     if COMPUTE_DW:
         tl.store(dw_partial_ptr + pid.to(tl.int64) * D + cols, tl.sum(dw_acc, axis=0), mask=col_mask)

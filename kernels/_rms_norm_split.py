@@ -33,10 +33,20 @@ from ._round import round_dtype, round_to
 
 @triton.jit
 def grad_out(dyf, w, HAS_WEIGHT: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr):
-    """g = dy * w' (rounded as eager's product under ROUND), or dy without weight."""
+    """g = dy * w' rounded to x's dtype under ROUND (the grad of xhat.to(x.dtype), as eager's: one rounding
+    whether the product is made in x's dtype or, with an fp32 weight, in fp32), or dy without weight."""
     if HAS_WEIGHT:
         return round_to(dyf * w, ROUND, RNE_BY_BITS)
     return dyf
+
+
+@triton.jit
+def dw_term(dyf, xr, DY_DTYPE: tl.constexpr, ROUND: tl.constexpr, RNE_BY_BITS: tl.constexpr):
+    """One row's dw term dy * xr (xr = xhat rounded to x's dtype under ROUND), rounded as eager's product,
+    which is made in dy's dtype: bf16 / fp16 when w is, not at all with an fp32 weight (fp32 dy)."""
+    if DY_DTYPE == tl.float32:
+        return dyf * xr
+    return round_to(dyf * xr, ROUND, RNE_BY_BITS)
 
 
 @triton.jit
@@ -88,7 +98,7 @@ def _rms_norm_bwd_split_kernel(
     CHUNK,  # columns per part: cdiv(D, S)
     HAS_WEIGHT: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
-    ROUND: tl.constexpr,  # eager's roundings of w * xhat.to(dtype)'s grads: dy * w and dy * xhat
+    ROUND: tl.constexpr,  # eager's roundings of w * xhat.to(x.dtype)'s grads (x.dtype; dw_term)
     RNE_BY_BITS: tl.constexpr,
     S: tl.constexpr,  # programs per row
     PART: tl.constexpr,  # register tile of one part: a power of two >= CHUNK
@@ -135,7 +145,7 @@ def _rms_norm_bwd_split_kernel(
         dx = round_dtype(dx, dx_ptr.dtype.element_ty, RNE_BY_BITS).to(dx_ptr.dtype.element_ty)
         tl.store(dx_ptr + row64 * D + own, dx, mask=own_mask)
         if COMPUTE_DW:
-            dw_acc += round_to(dyo * round_to(xhat, ROUND, RNE_BY_BITS), ROUND, RNE_BY_BITS)
+            dw_acc += dw_term(dyo, round_to(xhat, ROUND, RNE_BY_BITS), dy_ptr.dtype.element_ty, ROUND, RNE_BY_BITS)
 
     if COMPUTE_DW:
         tl.store(dw_partial_ptr + (pid // S).to(tl.int64) * D + own, dw_acc, mask=own_mask)

@@ -231,7 +231,7 @@ def _rms_norm_backward(
     dy2 = dy.reshape(m, d).contiguous()
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     w = weight.contiguous() if weight is not None else x2
-    round_ = round_code(dy.dtype, eager_rounding and weight is not None)
+    round_ = round_code(x.dtype, eager_rounding and weight is not None)  # dy's dtype: dw_term
     pdl = compute_dw and launch.dw_pdl(x.device)  # the dw reduction waits on the GPU (split backward: exit trigger)
     if split is not None:
         grid = split[0]  # row groups: one [D] partial each
@@ -348,12 +348,14 @@ def rms_norm_reference(
 
 def _rms_norm_backward_reference(dy, x, weight, eps, offset, compute_dw, eager_rounding=False):
     """Closed-form fp32 backward matching the kernel (rounding of the cast path as identity)."""
-    rnd = lambda y: round_ref(y, dy.dtype, eager_rounding and weight is not None)  # noqa: E731
+    on = eager_rounding and weight is not None
+    rnd_x = lambda y: round_ref(y, x.dtype, on)  # noqa: E731  xhat.to(x.dtype) and its grad
+    rnd_dy = lambda y: round_ref(y, dy.dtype, on)  # noqa: E731  the product w * xr, made in y's dtype
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     xhat = xf * rstd
     dyf = dy.float()
-    g = rnd(dyf * (weight.float() + offset)) if weight is not None else dyf
+    g = rnd_x(dyf * (weight.float() + offset)) if weight is not None else dyf
     dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-    dw = rnd(dyf * rnd(xhat)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if compute_dw else None
+    dw = rnd_dy(dyf * rnd_x(xhat)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if compute_dw else None
     return dx.to(x.dtype), dw

@@ -198,3 +198,25 @@ def test_eager_rounding_backward_equals_llama_eager(monkeypatch, dtype, rows, on
     if dtype == torch.bfloat16:
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert (once[1] != ref[1]).double().mean() > 0.2
+
+
+@pytest.mark.parametrize("rows", [1, 199])
+@pytest.mark.parametrize("on_triton", [True, False], ids=["triton", "reference"])
+def test_eager_rounding_with_an_fp32_weight_equals_llama_eager(monkeypatch, rows, on_triton):
+    """bf16 x, fp32 weight (a per-head q / k norm under bf16 autocast: fp32 parameters): eager rounds
+    xhat and the grad dy * w of xhat.to(bf16) to bf16, and makes w's grad dy * xr in fp32. With
+    eager_rounding the fused backward does the same (it rounded by dy's dtype, fp32 here: not at all,
+    1.4e-3 from eager's dw)."""
+    if not on_triton:
+        monkeypatch.delenv("TRITON_INTERPRET")
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(rows, 96, generator=g) * 10 ** (torch.rand(rows, 1, generator=g) * 4 - 3)).bfloat16()
+    x.requires_grad_()
+    w = (1 + 0.1 * torch.randn(96, generator=g)).requires_grad_()
+    dy = torch.randn(rows, 96, generator=g)
+    ref = torch.autograd.grad(llama_eager(x, w), (x, w), dy)
+    got = torch.autograd.grad(rms_norm(x, w, EPS, 0.0, True, torch.float32, True), (x, w), dy)
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
+    dx, rdx = got[0].double(), ref[0].double()  # dx: fp32 sums in another order, then one bf16 rounding
+    assert ((dx - rdx).abs() <= 2.0 ** -7 * rdx.abs()).all() and (dx != rdx).double().mean() < 0.02
+    assert rel(got[1], ref[1]) < 1e-6  # dw: fp32 sums of eager's own terms
