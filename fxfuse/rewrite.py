@@ -106,10 +106,11 @@ def _detach_escapes(m: Match, graph: fx.Graph) -> None:
 
 
 def _reads_only(n, roots: set[fx.Node]) -> bool:
-    """n is one of roots, or computed from one alone (casts, views, a constant scale; sizes aside)."""
+    """n is one of roots, or computed from one alone (casts, views, a constant scale; sizes aside),
+    and not detached on the way (``return loss, logits.detach()``: eager's needs no guard)."""
     while isinstance(n, fx.Node) and n not in roots:
         inputs = [a for a in n.all_input_nodes if isinstance(val(a), torch.Tensor)]
-        if len(inputs) != 1:
+        if len(inputs) != 1 or n.target is torch.ops.aten.detach.default:
             return False
         n = inputs[0]
     return isinstance(n, fx.Node)

@@ -137,6 +137,17 @@ def all_cases() -> list[Case]:
                           soundness_layouts_swiglu, soundness_layouts_linear_cross_entropy) for c in mod.CASES]
 
 
+def postgrad_cases() -> list[Case]:
+    """The cases of fxfuse's Inductor-only backward rewrites (tests/soundness_postgrad_*.py): run them
+    with inner="inductor"."""
+    import soundness_postgrad_linear_cross_entropy
+    import soundness_postgrad_rms_norm
+    import soundness_postgrad_swiglu
+
+    return [c for mod in (soundness_postgrad_rms_norm, soundness_postgrad_swiglu,
+                          soundness_postgrad_linear_cross_entropy) for c in mod.CASES]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("ops", nargs="*", help="rms_norm, rope, swiglu, linear_cross_entropy (default: all)")

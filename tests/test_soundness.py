@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from soundness import all_cases, run
+from soundness import all_cases, postgrad_cases, run
 
 CASES = all_cases()
+POSTGRAD = postgrad_cases()
 
 
 def test_case_names_are_unique():
-    names = [c.name for c in CASES]
+    names = [c.name for c in CASES + POSTGRAD]
     assert len(names) == len(set(names))
 
 
@@ -20,6 +21,16 @@ def test_soundness(case):
     verdict = run(case)
     assert not verdict.problems(case), (case.name, verdict)
 
+
+
+@pytest.mark.parametrize("case", POSTGRAD, ids=[c.name for c in POSTGRAD])
+def test_postgrad_soundness_under_inductor(case, monkeypatch, tmp_path):
+    """The backward rewrites that run only under Inductor (residual-add and dy-sum folds, gated-MLP
+    gradients written in place, the fast head's scaled gradients); a fresh cache folder, as a cache
+    hit would skip the post-grad pass."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    verdict = run(case, inner="inductor")
+    assert not verdict.problems(case), (case.name, verdict)
 
 def test_a_wrong_fused_op_is_caught(monkeypatch):
     """The check itself: an RMSNorm lowered with eps * 4 (a plausible slip) fails on its value, as
