@@ -52,7 +52,7 @@ def test_a_wrong_fused_op_is_caught(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", CASES + POSTGRAD, ids=[c.name for c in CASES + POSTGRAD])
 def test_soundness_on_cuda_under_inductor(case):
     """The same on CUDA, the kernels compiled by Triton and the rest by Inductor."""
     verdict = run(case, inner="inductor", device="cuda")
