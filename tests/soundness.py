@@ -104,15 +104,18 @@ def _err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def run(case: Case, inner: str = "aot_eager", dynamic: bool | None = False, device: str = "cpu") -> Verdict:
-    """The case compiled with the fxfuse backend (one graph: fullgraph=True) against eager, on device."""
+def run(case: Case, inner: str = "aot_eager", dynamic: bool | None = False, device: str = "cpu",
+        backend: str = "fxfuse") -> Verdict:
+    """The case compiled with the fxfuse backend (one graph: fullgraph=True) against eager, on device;
+    backend="inductor": plain Inductor instead (its own numerics, nothing fused)."""
     import fxfuse
 
     inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in case.inputs())
     ref_outs, ref_grads = _fwd_bwd(case.fn, inputs)
     torch._dynamo.reset()
     n0 = len(fxfuse.compiled_reports())
-    compiled = torch.compile(case.fn, backend="fxfuse", options={"inner": inner}, dynamic=dynamic, fullgraph=True)
+    options = {"inner": inner} if backend == "fxfuse" else None
+    compiled = torch.compile(case.fn, backend=backend, options=options, dynamic=dynamic, fullgraph=True)
     outs, grads = _fwd_bwd(compiled, inputs)
     report = fxfuse.Report.merge(fxfuse.compiled_reports()[n0:])
     out_err = max([_err(o, r) for o, r in zip(outs, ref_outs)] + [0.0 if len(outs) == len(ref_outs) else float("inf")])

@@ -54,6 +54,14 @@ def test_a_wrong_fused_op_is_caught(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES + POSTGRAD, ids=[c.name for c in CASES + POSTGRAD])
 def test_soundness_on_cuda_under_inductor(case):
-    """The same on CUDA, the kernels compiled by Triton and the rest by Inductor."""
+    """The same on CUDA, the kernels compiled by Triton and the rest by Inductor. A case left unfused
+    that misses eager's value passes only where plain Inductor misses it too (Inductor's own numerics:
+    on the H100, linear_cross_entropy/through_bf16's bf16 round trip of fp32 logits, 5e-4 / 1.2e-2 from
+    eager's unfused)."""
     verdict = run(case, inner="inductor", device="cuda")
-    assert not verdict.problems(case), (case.name, verdict)
+    problems = verdict.problems(case)
+    if problems and not verdict.fused and case.fuses is not True:
+        plain = run(case, device="cuda", backend="inductor")
+        assert plain.problems(case), (case.name, verdict, "plain Inductor keeps eager's value", plain)
+        return
+    assert not problems, (case.name, verdict)
