@@ -207,6 +207,11 @@ def returned_only(users) -> bool:
     return all(u.op == "output" or (u.target in RETURN_VIEWS and returned_only(u.users)) for u in users)
 
 
+def _one_unreturned_user(n: fx.Node) -> bool:
+    """n's users are one link of the chain plus any that only return n from the graph."""
+    return sum(not returned_only([u]) for u in n.users) == 1
+
+
 def _logits_chain(n) -> list[fx.Node]:
     """The links directly before a cross_entropy input, each with one user (the next link), nearest the
     loss first: casts to fp32 (a cast may also be returned: Mamba returns ``lm_head(h).float()`` as its
@@ -214,8 +219,8 @@ def _logits_chain(n) -> list[fx.Node]:
     (``logits[..., :-1, :]``, see is_row_slice)."""
     chain = []
     while isinstance(n, fx.Node) and n.op == "call_function" and (
-            (n.target in CASTS and _to_f32_same_device(n) and sum(not returned_only([u]) for u in n.users) == 1)
-            or (n.target in ROW_MERGES and _merges_rows(n) and len(n.users) == 1)
+            (n.target in CASTS and _to_f32_same_device(n) and _one_unreturned_user(n))
+            or (n.target in ROW_MERGES and _merges_rows(n) and _one_unreturned_user(n))
             or (n.target == aten.contiguous.default and len(n.users) == 1) or is_row_slice(n)):
         chain.append(n)
         n = n.args[0]

@@ -3,6 +3,7 @@ where that add promotes), and the logits a model returns: exact and guarded (HF 
 autocast (Mamba)."""
 import copy
 
+import pytest
 import torch
 
 import fxfuse
@@ -129,3 +130,53 @@ def test_returned_logits_exact_and_guarded():
     assert_logits_guarded(lambda: tuple(compiled(**inputs)[:2]))
     with torch.no_grad():
         assert not compiled(**inputs).logits.requires_grad
+
+
+
+class FlatLogits(torch.nn.Module):
+    """Returns the [N, V] logits it hands the loss (``logits = lm_head(x).view(-1, V)``, then
+    ``cross_entropy(logits.float(), labels.view(-1))`` under autocast): the row merge sits in the site and is also a
+    graph output. It had left the head unfused ("no variant matched")."""
+
+    def __init__(self, h=24, v=70):
+        super().__init__()
+        self.lin = torch.nn.Linear(h, v, bias=False)
+
+    def forward(self, x, labels):
+        z = self.lin(x)
+        logits = z.view(-1, z.shape[-1])
+        upcast = logits if logits.dtype == torch.float32 else logits.float()  # no returned no-op cast in fp32
+        return torch.nn.functional.cross_entropy(upcast, labels.view(-1), ignore_index=-1), logits
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_returned_flattened_logits_fused_exact_and_guarded(autocast):
+    """fp32, or bf16 autocast (bf16 logits returned, cast to fp32 for the loss): the returned logits
+    are eager's bit for bit; loss and gradients within fp32 rounding or 2x eager's bf16 error; a
+    backward through the logits raises."""
+    torch.manual_seed(0)
+    model = FlatLogits()
+    x, labels = torch.randn(3, 5, 24, requires_grad=True), torch.randint(0, 70, (3, 5))
+    labels[0, :2] = -1
+    compiled = torch.compile(copy.deepcopy(model), backend="fxfuse", options={"inner": "aot_eager"})
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ref_loss, ref_logits = model(x, labels)
+        loss, logits = compiled(x, labels)
+    assert fxfuse.last_report().counts()["linear_cross_entropy"] == 1, str(fxfuse.last_report())
+    assert logits.shape == (15, 70) and logits.dtype == (torch.bfloat16 if autocast else torch.float32)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+    if autocast:
+        def make(dtype):
+            torch.manual_seed(0)
+            return FlatLogits().to(dtype)
+
+        (e_loss, e_grad), (f_loss, f_grad) = bf16_errors(make, {"x": x.detach(), "labels": labels}, autocast=True,
+                                                         loss_fn=lambda out: out[0])
+        assert f_loss <= 2 * e_loss and f_grad <= 2 * e_grad, ((e_loss, e_grad), (f_loss, f_grad))
+    else:
+        ref_grads = torch.autograd.grad(ref_loss, [x, model.lin.weight])
+        grads = torch.autograd.grad(loss, [x, compiled.lin.weight])
+        assert rel_err(loss, ref_loss) < FP32_TOL
+        assert max(rel_err(g, r) for g, r in zip(grads, ref_grads)) < FP32_TOL
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        assert_logits_guarded(lambda: compiled(x, labels))
