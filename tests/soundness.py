@@ -105,16 +105,19 @@ def _err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
 
 
 def run(case: Case, inner: str = "aot_eager", dynamic: bool | None = False, device: str = "cpu",
-        backend: str = "fxfuse") -> Verdict:
+        backend: str = "fxfuse", precise_casts: bool = False) -> Verdict:
     """The case compiled with the fxfuse backend (one graph: fullgraph=True) against eager, on device;
-    backend="inductor": plain Inductor instead (its own numerics, nothing fused)."""
+    backend="inductor": plain Inductor instead (its own numerics, nothing fused). precise_casts: Inductor
+    rounds to bf16 / fp16 wherever eager does (emulate_precision_casts; by default a round trip inside
+    one of its kernels stays fp32)."""
     import fxfuse
 
     inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in case.inputs())
     ref_outs, ref_grads = _fwd_bwd(case.fn, inputs)
     torch._dynamo.reset()
     n0 = len(fxfuse.compiled_reports())
-    options = {"inner": inner} if backend == "fxfuse" else None
+    casts = {"emulate_precision_casts": True} if precise_casts else {}
+    options = {"inner": inner, "inductor_config": casts} if backend == "fxfuse" else casts or None
     compiled = torch.compile(case.fn, backend=backend, options=options, dynamic=dynamic, fullgraph=True)
     outs, grads = _fwd_bwd(compiled, inputs)
     report = fxfuse.Report.merge(fxfuse.compiled_reports()[n0:])
