@@ -9,6 +9,7 @@ fused call. Adding a spelling means adding a function; the engine does not chang
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -125,7 +126,7 @@ def trace_variant(pattern: Pattern, variant: Variant) -> tuple[PatternGraph, ...
         def fn(*ts):
             return variant.fn(**dict(zip(tensors, ts)), **sentinel)
 
-        with warnings.catch_warnings():  # mixed-dtype example inputs warn in some ops' fast paths
+        with warnings.catch_warnings(), _without_autocast():  # mixed-dtype example inputs warn in some fast paths
             warnings.simplefilter("ignore")
             gm = make_fx(fn, pre_dispatch=True)(*args)
         canonical_ops(gm.graph)
@@ -157,13 +158,25 @@ def trace_variant(pattern: Pattern, variant: Variant) -> tuple[PatternGraph, ...
     return tuple(out)
 
 
+@contextlib.contextmanager
+def _without_autocast():
+    """Autocast off while a pattern is traced: the traces are cached for the process, and the first
+    compile may run under the user's autocast (fp16 autocast made the RoPE spellings' traces raise, and
+    the whole graph compiled unfused; bf16 autocast changed two loss-head spellings' graphs)."""
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
 def _example(shape, dtype) -> torch.Tensor:
     """Example input for tracing a pattern; a private generator keeps the user's RNG stream intact
     (compiling must not change what dropout or data shuffling draw next)."""
     g = torch.Generator().manual_seed(0)
     if dtype.is_floating_point or dtype.is_complex:
-        return torch.randn(shape, generator=g, dtype=dtype)
-    return torch.randint(0, 5, shape, generator=g, dtype=dtype)
+        return torch.randn(shape, generator=g, dtype=dtype, device="cpu")
+    return torch.randint(0, 5, shape, generator=g, dtype=dtype, device="cpu")
 
 
 def _resolve_alias(n: fx.Node, vnodes) -> str:

@@ -117,13 +117,14 @@ def flat_grads(grads: dict) -> torch.Tensor:
     return torch.cat([grads[k].double().flatten() for k in sorted(grads)])
 
 
-def bf16_errors(make_model, inputs: dict, autocast: bool = False, patterns=None, loss_fn=None, inner="aot_eager"):
+def bf16_errors(make_model, inputs: dict, autocast: bool = False, patterns=None, loss_fn=None, inner="aot_eager",
+                low=torch.bfloat16):
     """((eager loss err, eager grads err), (fxfuse loss err, fxfuse grads err)) of a bf16 run
-    (bf16 weights, or fp32 weights under bf16 autocast) against the fp32 eager reference;
-    make_model(dtype) builds the same model each call."""
+    (bf16 weights, or fp32 weights under bf16 autocast; low=torch.float16: fp16 instead) against the
+    fp32 eager reference; make_model(dtype) builds the same model each call."""
     ref_loss, ref_grads = loss_and_grads(make_model(torch.float32), inputs, loss_fn)
-    dtype = torch.float32 if autocast else torch.bfloat16
-    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else torch.enable_grad
+    dtype = torch.float32 if autocast else low
+    ctx = (lambda: torch.autocast("cpu", dtype=low)) if autocast else torch.enable_grad
     with ctx():
         e_loss, e_grads = loss_and_grads(make_model(dtype), inputs, loss_fn)
     mine = make_model(dtype)
