@@ -43,10 +43,12 @@ def scan_one(spec: str, task: str, device: str, dtype: str) -> dict:
     model, inputs = build(spec, task)
     model.to(device).train()
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
-    fp32 = fxfuse.explain(model, **inputs)
-    torch._dynamo.reset()
+    # autocast first: the process's first compile traces fxfuse's patterns (once), and they must not
+    # depend on the caller's autocast (fp32 first had hidden that CPU fp16 autocast broke them)
     with torch.autocast(device, dtype=DTYPES[dtype]):
         mixed = fxfuse.explain(model, **inputs)
+    torch._dynamo.reset()
+    fp32 = fxfuse.explain(model, **inputs)
     a, b = fp32.counts(), mixed.counts()
     fewer = [p for p in a if b[p] < a[p]]
     reasons = {p: sorted({s.reason for s in mixed.unmatched if s.pattern == p}) for p in fewer}
