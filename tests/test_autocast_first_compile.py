@@ -41,3 +41,19 @@ def test_fp16_autocast_as_the_first_compile_fuses_every_site():
     assert report.counts() == {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}, str(report)
     assert not report.errors and not report.unmatched, str(report)
     assert f_loss <= 2 * e_loss and f_grad <= 2 * e_grad, ((e_loss, e_grad), (f_loss, f_grad))
+
+
+@pytest.mark.gpu
+def test_default_device_cuda_at_the_first_compile():
+    """torch.set_default_device("cuda") before the first compile: the patterns' example inputs are made
+    on the CPU explicitly (a CPU generator cannot draw a CUDA tensor), and every site fuses."""
+    from fxfuse.pattern import trace_variant
+
+    trace_variant.cache_clear()
+    with torch.device("cuda"):
+        model = hf_model("llama")
+        inputs = {k: v.cuda() for k, v in batch().items()}
+        loss = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})(**inputs).loss
+    report = fxfuse.last_report()
+    assert report.counts() == {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}, str(report)
+    assert not report.errors and loss.is_cuda
