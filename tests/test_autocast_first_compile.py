@@ -50,9 +50,9 @@ def test_default_device_cuda_at_the_first_compile():
     from fxfuse.pattern import trace_variant
 
     trace_variant.cache_clear()
+    inputs = {k: v.cuda() for k, v in batch().items()}  # batch() draws from a CPU generator
     with torch.device("cuda"):
         model = hf_model("llama")
-        inputs = {k: v.cuda() for k, v in batch().items()}
         loss = torch.compile(model, backend="fxfuse", options={"inner": "aot_eager"})(**inputs).loss
     report = fxfuse.last_report()
     assert report.counts() == {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}, str(report)
