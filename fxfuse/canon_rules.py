@@ -214,8 +214,9 @@ def _one_unreturned_user(n: fx.Node) -> bool:
 
 def _logits_chain(n) -> list[fx.Node]:
     """The links directly before a cross_entropy input, each with one user (the next link), nearest the
-    loss first: casts to fp32 (a cast may also be returned: Mamba returns ``lm_head(h).float()`` as its
-    logits, and the loss casts them again), [N, V] row merges, ``.contiguous()`` and row slices
+    loss first: casts to fp32 and [N, V] row merges (either may also be returned: Mamba returns
+    ``lm_head(h).float()`` as its logits, and the loss casts them again; a hand-written head returns the
+    ``view(-1, V)`` it hands the loss), ``.contiguous()`` and row slices
     (``logits[..., :-1, :]``, see is_row_slice)."""
     chain = []
     while isinstance(n, fx.Node) and n.op == "call_function" and (
