@@ -108,15 +108,16 @@ def run(case: Case, inner: str = "aot_eager", dynamic: bool | None = False, devi
         backend: str = "fxfuse", precise_casts: bool = False) -> Verdict:
     """The case compiled with the fxfuse backend (one graph: fullgraph=True) against eager, on device;
     backend="inductor": plain Inductor instead (its own numerics, nothing fused). precise_casts: Inductor
-    rounds to bf16 / fp16 wherever eager does (emulate_precision_casts; by default a round trip inside
-    one of its kernels stays fp32)."""
+    rounds to bf16 / fp16 wherever eager does: emulate_precision_casts (by default a round trip inside
+    one of its kernels stays fp32), and no pattern passes (torch 2.11's joint-graph pass drops an
+    fp32 -> bf16 -> fp32 round trip whatever that flag says)."""
     import fxfuse
 
     inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in case.inputs())
     ref_outs, ref_grads = _fwd_bwd(case.fn, inputs)
     torch._dynamo.reset()
     n0 = len(fxfuse.compiled_reports())
-    casts = {"emulate_precision_casts": True} if precise_casts else {}
+    casts = {"emulate_precision_casts": True, "pattern_matcher": False} if precise_casts else {}
     options = {"inner": inner, "inductor_config": casts} if backend == "fxfuse" else casts or None
     compiled = torch.compile(case.fn, backend=backend, options=options, dynamic=dynamic, fullgraph=True)
     outs, grads = _fwd_bwd(compiled, inputs)

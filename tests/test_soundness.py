@@ -62,8 +62,8 @@ ROUND_TRIPS = ["rope/mixed_dtype_q_fp32_k_bf16", "rms_norm/rounded_to_bf16", "li
 @pytest.mark.parametrize("name", ROUND_TRIPS)
 def test_inductor_keeps_bf16_round_trips_in_fp32_unless_told(name):
     """The CUDA twin's exception, shown on CPU: plain Inductor misses eager's value on these cases (a
-    bf16 round trip kept in fp32) and keeps it with emulate_precision_casts; fxfuse under Inductor with
-    it keeps it too, fused where the case fuses."""
+    bf16 round trip kept in fp32) and keeps it when told to round as eager does (precise_casts); fxfuse
+    under Inductor so told keeps it too, fused where the case fuses."""
     case = next(c for c in CASES if c.name == name)
     assert _values(run(case, backend="inductor").problems(case))
     assert not _values(run(case, backend="inductor", precise_casts=True).problems(case))
@@ -74,11 +74,13 @@ def test_inductor_keeps_bf16_round_trips_in_fp32_unless_told(name):
 @pytest.mark.parametrize("case", CASES + POSTGRAD, ids=[c.name for c in CASES + POSTGRAD])
 def test_soundness_on_cuda_under_inductor(case):
     """The same on CUDA, the kernels compiled by Triton and the rest by Inductor. Inductor's own numerics
-    may miss eager's value: a bf16 round trip inside one of its kernels stays fp32 unless
-    emulate_precision_casts is on (on the H100: linear_cross_entropy/through_bf16 unfused, 5e-4 / 1.2e-2;
-    rms_norm/rounded_to_bf16 and rope/mixed_dtype_q_fp32_k_bf16 fused, ~2e-3). Such a miss passes only
-    where plain Inductor misses eager's value too and fxfuse keeps it once Inductor rounds as eager
-    does. Whether a case fuses is checked either way."""
+    may miss eager's value where a bf16 round trip is kept in fp32 (on the H100, torch 2.11:
+    linear_cross_entropy/through_bf16 unfused, 5e-4 / 1.2e-2; rms_norm/rounded_to_bf16 and
+    rope/mixed_dtype_q_fp32_k_bf16 fused, ~2e-3; plain Inductor missed all three too). Such a miss
+    passes only where plain Inductor misses eager's value too and fxfuse keeps it once Inductor rounds
+    as eager does (run(precise_casts=True); with emulate_precision_casts alone the three stayed as far
+    off on that H100, and bench/probe_round_trips.py has not yet run there). Whether a case fuses is
+    checked either way."""
     verdict = run(case, inner="inductor", device="cuda")
     problems = verdict.problems(case)
     assert problems == _values(problems), (case.name, verdict)
