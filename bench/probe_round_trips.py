@@ -17,30 +17,30 @@ import sys
 
 import torch
 
-NAMES = ["rms_norm/rounded_to_bf16", "rope/mixed_dtype_q_fp32_k_bf16", "linear_cross_entropy/through_bf16"]
-PRECISE = {"emulate_precision_casts": True, "pattern_matcher": False}
-WAYS = [("fxfuse aot_eager", "fxfuse", {"inner": "aot_eager"}),
-        ("fxfuse inductor", "fxfuse", {"inner": "inductor"}),
-        ("plain inductor", "inductor", None),
-        ("plain inductor precise", "inductor", PRECISE),
-        ("fxfuse inductor precise", "fxfuse", {"inner": "inductor", "inductor_config": PRECISE})]
+def ways(precise: dict) -> list:
+    """(label, backend, options) of each way to compile a case; precise: soundness.PRECISE_CASTS."""
+    return [("fxfuse aot_eager", "fxfuse", {"inner": "aot_eager"}),
+            ("fxfuse inductor", "fxfuse", {"inner": "inductor"}),
+            ("plain inductor", "inductor", None),
+            ("plain inductor precise", "inductor", precise),
+            ("fxfuse inductor precise", "fxfuse", {"inner": "inductor", "inductor_config": precise})]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("names", nargs="*", default=NAMES, help="soundness case names")
+    p.add_argument("names", nargs="*", help="soundness case names (default: soundness.ROUND_TRIPS)")
     args = p.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     import fxfuse
-    from soundness import _err, _fwd_bwd, all_cases
+    from soundness import PRECISE_CASTS, ROUND_TRIPS, _err, _fwd_bwd, all_cases
 
     cases = {c.name: c for c in all_cases()}
-    for name in args.names:
+    for name in args.names or ROUND_TRIPS:
         case = cases[name]
         inputs = tuple(t.to(args.device) if isinstance(t, torch.Tensor) else t for t in case.inputs())
         ref_outs, ref_grads = _fwd_bwd(case.fn, inputs)
-        for label, backend, options in WAYS:
+        for label, backend, options in ways(PRECISE_CASTS):
             torch._dynamo.reset()
             n0 = len(fxfuse.compiled_reports())
             try:

@@ -132,11 +132,10 @@ def test_returned_logits_exact_and_guarded():
         assert not compiled(**inputs).logits.requires_grad
 
 
-
 class FlatLogits(torch.nn.Module):
     """Returns the [N, V] logits it hands the loss (``logits = lm_head(x).view(-1, V)``, then
-    ``cross_entropy(logits.float(), labels.view(-1))`` under autocast): the row merge sits in the site and is also a
-    graph output. It had left the head unfused ("no variant matched")."""
+    ``cross_entropy(logits.float(), labels.view(-1))`` under autocast): the row merge sits in the site
+    and is also a graph output. It had left the head unfused ("no variant matched")."""
 
     def __init__(self, h=24, v=70):
         super().__init__()

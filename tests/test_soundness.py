@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from soundness import all_cases, postgrad_cases, run
+from soundness import ROUND_TRIPS, all_cases, postgrad_cases, run
 
 CASES = all_cases()
 POSTGRAD = postgrad_cases()
@@ -51,22 +51,14 @@ def test_a_wrong_fused_op_is_caught(monkeypatch):
     assert verdict.fused == 1 and verdict.out_err > 1e-3 and verdict.problems(case)
 
 
-def _values(problems: list[str]) -> list[str]:
-    """The problems with the value (output or gradient away from eager's), not with what fused."""
-    return [p for p in problems if p.startswith(("output", "gradient"))]
-
-
-ROUND_TRIPS = ["rope/mixed_dtype_q_fp32_k_bf16", "rms_norm/rounded_to_bf16", "linear_cross_entropy/through_bf16"]
-
-
 @pytest.mark.parametrize("name", ROUND_TRIPS)
 def test_inductor_keeps_bf16_round_trips_in_fp32_unless_told(name):
     """The CUDA twin's exception, shown on CPU: plain Inductor misses eager's value on these cases (a
     bf16 round trip kept in fp32) and keeps it when told to round as eager does (precise_casts); fxfuse
     under Inductor so told keeps it too, fused where the case fuses."""
     case = next(c for c in CASES if c.name == name)
-    assert _values(run(case, backend="inductor").problems(case))
-    assert not _values(run(case, backend="inductor", precise_casts=True).problems(case))
+    assert run(case, backend="inductor").value_problems()
+    assert not run(case, backend="inductor", precise_casts=True).value_problems()
     assert not run(case, inner="inductor", precise_casts=True).problems(case)
 
 
@@ -83,10 +75,10 @@ def test_soundness_on_cuda_under_inductor(case):
     checked either way."""
     verdict = run(case, inner="inductor", device="cuda")
     problems = verdict.problems(case)
-    assert problems == _values(problems), (case.name, verdict)
+    assert problems == verdict.value_problems(), (case.name, verdict)
     if not problems:
         return
     plain = run(case, device="cuda", backend="inductor")
-    assert _values(plain.problems(case)), (case.name, verdict, "plain Inductor keeps eager's value", plain)
+    assert plain.value_problems(), (case.name, verdict, "plain Inductor keeps eager's value", plain)
     precise = run(case, inner="inductor", device="cuda", precise_casts=True)
     assert precise.fused == verdict.fused and not precise.problems(case), (case.name, verdict, precise)
